@@ -1,0 +1,286 @@
+"""The ``moeshard`` command: a thin typer app over the library.
+
+Results (paths, reports, ``--json``) go to stdout; progress, logs and hints to stderr.
+Heavy imports (torch, flashinfer) happen inside the commands, so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from moeshard.errors import MoeshardError
+
+app = typer.Typer(
+    name="moeshard",
+    help="Convert quantized MoE checkpoints (GPT-OSS MXFP4) into FlashInfer trtllm-gen "
+    "expert-parallel rank shards, and prove every shard right.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+out_console = Console(soft_wrap=True)
+err_console = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout, nothing else.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+DeviceOpt = Annotated[str, typer.Option(help="Where tensor work runs: cpu or cuda.")]
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000; units B, KB, MB, GB, TB (powers of 1000, as the Hub counts)."""
+    t = text.strip().upper()
+    units = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for u, mult in units.items():
+        if t.endswith(u):
+            try:
+                return int(float(t[: -len(u)]) * mult)
+            except ValueError:
+                break
+    raise typer.BadParameter(f"expected a size like 5GB or 500MB, found {text!r}")
+
+
+def parse_ints(text: str | None) -> list[int] | None:
+    """'0-3,5' -> [0, 1, 2, 3, 5]."""
+    if text is None:
+        return None
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            a, _, b = part.partition("-")
+            out += list(range(int(a), int(b) + 1)) if b else [int(a)]
+    except ValueError:
+        raise typer.BadParameter(f"expected numbers and ranges like 0-3,5, found {text!r}") from None
+    return out
+
+
+def _progress(enabled: bool, total: int | None = None, description: str = ""):
+    """A rich progress bar on stderr (only on a terminal and when enabled), as (context, tick)."""
+    from contextlib import nullcontext
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+
+    if not enabled or not err_console.is_terminal:
+        return nullcontext(), (lambda *a: None)
+    columns = [TextColumn("{task.description}"), BarColumn()]
+    if total is not None:
+        columns += [DownloadColumn(), TransferSpeedColumn()]
+    columns += [TimeElapsedColumn()]
+    prog = Progress(*columns, console=err_console, transient=True)
+    task = prog.add_task(description, total=total)
+
+    def tick(n: int = 0, what: str = "") -> None:
+        prog.update(task, advance=n, description=f"{description} {what}".strip())
+
+    return prog, tick
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+@app.command(epilog="Examples:\n\n  moeshard fixture gpt-oss --preset tiny -o tiny-gpt-oss\n\n"
+             "  moeshard fixture gpt-oss --preset gpt-oss-120b --layers 2 -o bench-120b")
+def fixture(
+    family: Annotated[str, typer.Argument(help="Checkpoint family: gpt-oss.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (must be new or empty).")],
+    preset: Annotated[str, typer.Option(help="tiny (tests), gpt-oss-20b or gpt-oss-120b (real layer sizes).")] = "tiny",
+    layers: Annotated[Optional[int], typer.Option(help="Number of layers (default: the preset's).")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed of the generated weights.")] = 0,
+) -> None:
+    """Write a synthetic checkpoint in the exact on-disk format of the real model."""
+    from moeshard.fixtures import fixture as make
+
+    with err_console.status(f"writing {family} {preset} fixture"):
+        path = make(family, preset, output, layers=layers, seed=seed)
+    out_console.print(str(path))
+
+
+@app.command(epilog="Examples:\n\n  moeshard convert ./gpt-oss-120b --ep-size 8 -o out/\n\n"
+             "  moeshard convert ./gpt-oss-20b --ep-size 4 -o out/ --dry-run")
+def convert(
+    source: Annotated[Path, typer.Argument(help="Checkpoint folder.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Artifact folder to write.")],
+    ep_size: Annotated[int, typer.Option(help="Expert-parallel ranks; must divide the expert count.")] = 1,
+    pad_multiple: Annotated[int, typer.Option(help="Pad hidden and intermediate sizes to a multiple of this.")] = 256,
+    max_shard_size: Annotated[str, typer.Option(help="Largest output safetensors file, e.g. 5GB.")] = "5GB",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing artifact or non-empty folder.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Validate headers and print the plan; write nothing.")] = False,
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Convert a checkpoint into trtllm-gen layout, one folder per expert-parallel rank."""
+    from moeshard.convert.pipeline import convert as run
+
+    if dry_run:
+        plan = run(source, output, ep_size=ep_size, pad_multiple=pad_multiple,
+                   max_shard_bytes=parse_size(max_shard_size), dry_run=True)
+        doc = {"ranks": [{"rank": r.rank, "experts": [r.experts[0], r.experts[-1]],
+                          "files": [{"path": f.path, "layers": list(f.layers), "bytes": f.nbytes} for f in r.files]}
+                         for r in plan.ranks],
+               "common_files": [{"path": f.path, "tensors": len(f.sources), "bytes": f.nbytes} for f in plan.common],
+               "hidden_size_padded": plan.hidden_size_padded,
+               "intermediate_size_padded": plan.intermediate_size_padded, "bytes": plan.total_bytes}
+        out_console.print_json(json.dumps(doc)) if as_json else out_console.print(
+            f"plan: {len(plan.ranks)} ranks, {sum(len(r.files) for r in plan.ranks)} rank files, "
+            f"{len(plan.common)} common files, {_fmt_bytes(plan.total_bytes)} to write (dry run: nothing written)")
+        return
+    ctx, tick = _progress(not (as_json or quiet), description="converting")
+    with ctx:
+        res = run(source, output, ep_size=ep_size, pad_multiple=pad_multiple, max_shard_bytes=parse_size(max_shard_size),
+                  overwrite=overwrite, device=device, progress=tick)
+    m = res.manifest
+    summary = {"output": str(res.out), "family": m["family"], "ranks": len(m["ranks"]), "ep_size": m["ep_size"],
+               "moe_layers": len(m["moe_layers"]), "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
+               "seconds": round(res.seconds, 3), "throughput_gb_s": round(res.bytes_written / res.seconds / 1e9, 3)}
+    if as_json:
+        out_console.print_json(json.dumps(summary))
+        return
+    err_console.print(f"converted {m['family']} ({len(m['moe_layers'])} MoE layers, {m['num_experts']} experts) into "
+                      f"{len(m['ranks'])} ranks: wrote {_fmt_bytes(res.bytes_written)} in {res.seconds:.2f} s "
+                      f"({res.bytes_written / res.seconds / 1e9:.2f} GB/s)")
+    out_console.print(str(res.out))
+
+
+@app.command(epilog="Examples:\n\n  moeshard inspect ./gpt-oss-120b\n\n  moeshard inspect out/ --json")
+def inspect(
+    path: Annotated[Path, typer.Argument(help="A checkpoint folder or a moeshard artifact.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Show family, quant format, layers, experts, shapes, per-rank sizes and kernel arguments."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from moeshard.inspect import inspect_path
+
+    info = inspect_path(path)
+    if as_json:
+        out_console.print_json(json.dumps(info))
+        return
+    table = Table(title=escape(f"{info['kind']}: {info['path']}"), show_header=False)
+    for k, v in info.items():
+        if k in ("ranks", "kind", "path", "expert_tensors_of_layer"):
+            continue
+        table.add_row(k, escape(", ".join(f"{a}={b}" for a, b in v.items()) if isinstance(v, dict) else str(v)))
+    out_console.print(table)
+    if "ranks" in info:
+        rt = Table(title="ranks")
+        for col in ("rank", "experts", "local_expert_offset", "files", "bytes"):
+            rt.add_column(col, justify="right")
+        for r in info["ranks"]:
+            rt.add_row(*(str(r[c]) if c != "bytes" else _fmt_bytes(r[c]) for c in
+                         ("rank", "experts", "local_expert_offset", "files", "bytes")))
+        out_console.print(rt)
+    else:
+        et = Table(title=f"expert tensors of layer {info['expert_tensors_of_layer']['layer']}")
+        for col in ("tensor", "dtype", "shape"):
+            et.add_column(col)
+        for n, t in info["expert_tensors_of_layer"]["tensors"].items():
+            et.add_row(n, t["dtype"], str(t["shape"]))
+        out_console.print(et)
+
+
+def _print_report(report, as_json: bool) -> None:
+    from rich.table import Table
+
+    if as_json:
+        out_console.print_json(json.dumps(report.to_json()))
+        return
+    for note in report.notes:
+        err_console.print(f"note: {note}")
+    table = Table(title=f"validate {report.artifact} against {report.source}")
+    for col in ("rank", "layer", "backend", "max abs error", "rel error", "verdict"):
+        table.add_column(col, justify="right")
+    for r in report.rows:
+        table.add_row(str(r.rank), str(r.layer), r.backend, f"{r.max_abs_error:.3g}", f"{r.rel_error:.3g}",
+                      "[green]pass[/]" if r.passed else "[red]FAIL[/]")
+    out_console.print(table)
+    for r in report.rows:
+        if not r.passed:
+            err_console.print(f"FAIL: {r.detail}")
+    out_console.print(("[green]PASS[/]" if report.passed else "[red]FAIL[/]") +
+                      f": {sum(r.passed for r in report.rows)}/{len(report.rows)} checks "
+                      f"(tolerance {report.tolerance:g}, {report.tokens} tokens, seed {report.seed})")
+
+
+@app.command(epilog="Examples:\n\n  moeshard validate out/\n\n  moeshard validate out/ --ranks 0-3 --layers 0,1 --json")
+def validate(
+    artifact: Annotated[Path, typer.Argument(help="Artifact folder written by moeshard convert.")],
+    source: Annotated[Optional[Path], typer.Option(help="Source checkpoint (default: the one in the manifest).")] = None,
+    layers: Annotated[Optional[str], typer.Option(help="MoE layers to check, e.g. 0-3,7 (default: all).")] = None,
+    ranks: Annotated[Optional[str], typer.Option(help="Ranks to check, e.g. 0-3 (default: all).")] = None,
+    tokens: Annotated[int, typer.Option(help="Number of random hidden states per layer.")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed of the hidden states.")] = 0,
+    backend: Annotated[str, typer.Option(help="auto or decode.")] = "auto",
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Run the MoE on every rank shard and compare with the source checkpoint; exit 1 on any failure."""
+    from moeshard.validate import validate as run
+
+    ctx, tick = _progress(not (as_json or quiet), description="validating")
+    with ctx:
+        report = run(artifact, source=source, layers=parse_ints(layers), ranks=parse_ints(ranks), tokens=tokens,
+                     seed=seed, backend=backend, device=device, progress=lambda what: tick(0, what))
+    _print_report(report, as_json)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+@app.command(epilog="Example:\n\n  moeshard demo -o demo-out")
+def demo(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Working folder (replaced).")] = Path("demo-out"),
+    ep_size: Annotated[int, typer.Option(help="Expert-parallel ranks.")] = 2,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate a tiny GPT-OSS checkpoint, convert it with --ep-size 2, validate, print the report."""
+    import shutil
+
+    from moeshard.convert.pipeline import convert as run_convert
+    from moeshard.fixtures import fixture as make
+    from moeshard.inspect import inspect_path
+    from moeshard.validate import validate as run_validate
+
+    if output.exists():
+        shutil.rmtree(output)
+    src = make("gpt-oss", "tiny", output / "source")
+    res = run_convert(src, output / "artifact", ep_size=ep_size)
+    report = run_validate(res.out)
+    if as_json:
+        out_console.print_json(json.dumps({"inspect": inspect_path(res.out), "validate": report.to_json()}))
+    else:
+        err_console.print(f"1. fixture: tiny GPT-OSS checkpoint (MXFP4) in {src}")
+        err_console.print(f"2. convert: {len(res.manifest['ranks'])} ranks in {res.out} "
+                          f"({_fmt_bytes(res.bytes_written)}, {res.seconds:.2f} s)")
+        err_console.print("3. validate:")
+        _print_report(report, False)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    """Entry point: known user errors become one stderr line and exit status 1."""
+    try:
+        app()
+    except MoeshardError as e:
+        if os.environ.get("MOESHARD_DEBUG"):
+            raise
+        print(f"moeshard: error: {e}", file=sys.stderr)
+        print("hint: set MOESHARD_DEBUG=1 to see the traceback", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Checkpoint families, planning, the conversion pipeline and the artifact manifest."""

@@ -1,0 +1,87 @@
+"""openai/gpt-oss-20b and -120b (MXFP4 experts, everything else BF16)."""
+
+from __future__ import annotations
+
+import torch
+
+from moeshard.convert.families import Family, ModelSpec, QuantFormat
+from moeshard.convert.source import Checkpoint
+from moeshard.errors import MoeshardError
+from moeshard.layouts.canonical import CanonicalExperts
+
+PREFIX = "model.layers.{layer}.mlp.experts"
+#: Expert tensors of one layer: name -> (dtype code, shape as a function of E, H, I).
+#: openai/gpt-oss-{20b,120b} model-0000k-of-0000K.safetensors (transformers' Mxfp4GptOssExperts).
+EXPERT_TENSORS = {
+    "gate_up_proj_blocks": ("U8", lambda e, h, i: (e, 2 * i, h // 32, 16)),  # gate/up rows interleaved
+    "gate_up_proj_scales": ("U8", lambda e, h, i: (e, 2 * i, h // 32)),  # UE8M0
+    "gate_up_proj_bias": ("BF16", lambda e, h, i: (e, 2 * i)),
+    "down_proj_blocks": ("U8", lambda e, h, i: (e, h, i // 32, 16)),
+    "down_proj_scales": ("U8", lambda e, h, i: (e, h, i // 32)),
+    "down_proj_bias": ("BF16", lambda e, h, i: (e, h)),
+}
+ROUTER = {"weight": "model.layers.{layer}.mlp.router.weight", "bias": "model.layers.{layer}.mlp.router.bias"}
+ROUTING_RENORMALIZE = 1  # flashinfer RoutingMethodType.Renormalize: TopK -> Softmax
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Rows interleaved ``[g0, u0, g1, u1, ...]`` (dim 1) -> ``[up ; gate]``."""
+    return torch.cat((t[:, 1::2], t[:, 0::2]), dim=1)
+
+
+class GptOssAdapter:
+    family = Family.GPT_OSS
+
+    def detect(self, config: dict, quant_config: dict | None) -> bool:
+        return config.get("model_type") == "gpt_oss"
+
+    def spec(self, ckpt: Checkpoint) -> ModelSpec:
+        cfg = ckpt.config
+        where = ckpt.root / "config.json"
+        q = cfg.get("quantization_config") or {}
+        if q.get("quant_method") != "mxfp4":
+            raise MoeshardError(f"{where}: quantization_config.quant_method: expected 'mxfp4', found {q.get('quant_method')!r}")
+        for key in ("num_local_experts", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+                raise MoeshardError(f"{where}: {key}: expected a positive integer, found {cfg.get(key)!r}")
+        e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+        top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
+        if h % 32 or i % 32:
+            raise MoeshardError(f"{where}: hidden_size {h} and intermediate_size {i}: expected multiples of 32 (MXFP4 block)")
+        layers = tuple(range(cfg["num_hidden_layers"]))
+        names = set()
+        for layer in layers:
+            for leaf, (dtype, shape) in EXPERT_TENSORS.items():
+                name = f"{PREFIX.format(layer=layer)}.{leaf}"
+                ckpt.expect(name, dtype, shape(e, h, i))
+                names.add(name)
+            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h))
+        return ModelSpec(
+            family=self.family,
+            quant_format=QuantFormat.MXFP4,
+            num_experts=e,
+            hidden_size=h,
+            intermediate_size=i,
+            moe_layers=layers,
+            expert_prefix=PREFIX,
+            routing={"routing_method_type": ROUTING_RENORMALIZE, "top_k": top_k, "n_group": None,
+                     "topk_group": None, "routed_scaling_factor": None},
+            activation={"type": "swiglu_oai", "activation_type": 3, "alpha": 1.702, "beta": 1.0,
+                        "limit": float(cfg.get("swiglu_limit", 7.0))},
+            router=dict(ROUTER),
+            expert_tensors=frozenset(names),
+        )
+
+    def read_experts(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int) -> CanonicalExperts:
+        p = spec.prefix(layer)
+        rd = lambda leaf: ckpt.read(f"{p}.{leaf}", start, stop)  # noqa: E731
+        w13 = rd("gate_up_proj_blocks")
+        w2 = rd("down_proj_blocks")
+        return CanonicalExperts(
+            w13=_deinterleave(w13.flatten(-2)),
+            w13_scale=_deinterleave(rd("gate_up_proj_scales")),
+            w2=w2.flatten(-2),
+            w2_scale=rd("down_proj_scales"),
+            w13_bias=_deinterleave(rd("gate_up_proj_bias").float()),
+            w2_bias=rd("down_proj_bias").float(),
+        )

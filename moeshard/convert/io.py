@@ -1,0 +1,143 @@
+"""safetensors access: one dtype table, header-only reads, atomic sharded writes.
+
+Reads go through ``safetensors.safe_open`` (``keys``, ``get_slice``, ``get_tensor``), which
+memory-maps the file: a slice reads only its own bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moeshard.errors import MoeshardError
+
+#: safetensors header dtype code -> torch dtype (every code the installed safetensors knows).
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "U16": torch.uint16,
+    "I16": torch.int16,
+    "U32": torch.uint32,
+    "I32": torch.int32,
+    "U64": torch.uint64,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,
+    "C64": torch.complex64,
+}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+GB = 10**9
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Header facts of one tensor: its file (relative to the checkpoint), dtype code and shape."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype].itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor headers of one safetensors file, read without touching tensor bytes.
+
+    Raises MoeshardError naming the file when the header is truncated or not safetensors.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise MoeshardError(f"{path}: not a safetensors file: expected an 8-byte header length, found {len(head)} bytes")
+        (n,) = struct.unpack("<Q", head)
+        if n + 8 > size:
+            raise MoeshardError(f"{path}: truncated safetensors header: header says {n} bytes, file has {size - 8}")
+    try:
+        out = {}
+        with safe_open(path, framework="pt") as f:
+            for k in f.keys():
+                s = f.get_slice(k)
+                out[k] = TensorInfo(path.name, s.get_dtype(), tuple(s.get_shape()))
+        return out
+    except (SafetensorError, OSError, ValueError) as e:
+        raise MoeshardError(f"{path}: unreadable safetensors file: {e}") from None
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj) -> None:
+    """Write JSON atomically (temporary name, then rename), sorted keys, trailing newline."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` under a temporary name, then an atomic rename."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata or {"format": "pt"})
+    os.chmod(tmp, 0o666 & ~_UMASK)  # safetensors creates 0600; make it like any other file
+    os.replace(tmp, path)
+
+
+def shard_names(n: int, zero_based: bool = False) -> list[str]:
+    """HF shard file names: ``model-00001-of-00003.safetensors`` (``model-00000-of-00002`` zero-based,
+    as openai/gpt-oss names them); ``model.safetensors`` alone when n == 1 and not zero-based."""
+    if n == 1 and not zero_based:
+        return [SINGLE_NAME]
+    if zero_based:
+        return [f"model-{i:05d}-of-{n - 1:05d}.safetensors" for i in range(n)]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def pack_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Greedy in-order packing of items into groups of at most ``max_bytes`` (an item larger
+    than the cap gets a group of its own; no empty groups)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, s in enumerate(sizes):
+        if not groups or (total + s > max_bytes and total > 0):
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += s
+    return groups or [[]]
+
+
+def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json`` with ``metadata.total_size`` and a sorted ``weight_map``."""
+    write_json(folder / INDEX_NAME, {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})

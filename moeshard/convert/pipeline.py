@@ -1,0 +1,169 @@
+"""convert: plan -> read -> canonical -> pad -> layout -> write -> manifest."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moeshard import __version__
+from moeshard.convert.families import detect
+from moeshard.convert.io import DTYPE_CODES, sha256_file, write_index, write_json, write_safetensors
+from moeshard.convert.manifest import MANIFEST_NAME, SCHEMA_VERSION, is_artifact
+from moeshard.convert.plan import OutFile, Plan, make_plan
+from moeshard.convert.source import Checkpoint
+from moeshard.errors import MoeshardError
+from moeshard.layouts.canonical import pad_experts
+from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, swiglu_oai_scalars, to_trtllm
+
+Progress = Callable[[int, str], None]
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    out: Path
+    manifest: dict
+    seconds: float
+    bytes_read: int
+    bytes_written: int
+
+
+def _flashinfer_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("flashinfer-python")
+    except Exception:  # noqa: BLE001 - not installed is an answer, not an error
+        return None
+
+
+def rank_layer_tensors(plan: Plan, ckpt: Checkpoint, adapter, layer: int, experts: tuple[int, ...],
+                       device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The kernel tensors of one MoE layer for one rank's (contiguous) experts, on the CPU."""
+    spec = plan.spec
+    c = adapter.read_experts(ckpt, spec, layer, experts[0], experts[-1] + 1)
+    if device != "cpu":
+        c = c.replace(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in c.__dict__.items()})
+    c = pad_experts(c, plan.hidden_size_padded, plan.intermediate_size_padded)
+    t = to_trtllm(c, plan.epilogue_tile_m)
+    if spec.activation["type"] == "swiglu_oai":
+        a = spec.activation
+        t.update(swiglu_oai_scalars(len(experts), a["limit"], a["alpha"], a["beta"]))
+    p = spec.prefix(layer)
+    return {f"{p}.{k}": v.cpu() for k, v in t.items()}
+
+
+def _kernel_args(plan: Plan, layer: int) -> dict:
+    spec = plan.spec
+    return {**spec.routing, "num_experts": spec.num_experts, "hidden_size": plan.hidden_size_padded,
+            "intermediate_size": plan.intermediate_size_padded, "valid_hidden_size": spec.hidden_size,
+            "valid_intermediate_size": spec.intermediate_size,
+            "activation_type": spec.activation["activation_type"]}
+
+
+def build_manifest(plan: Plan, files: dict[str, dict], source_files: dict[str, dict]) -> dict:
+    spec = plan.spec
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": {"name": "moeshard", "version": __version__, "flashinfer": _flashinfer_version()},
+        "source": {"path": str(plan.source.resolve()), "repo_id": None, "revision": None, "files": source_files},
+        "family": spec.family.value,
+        "quant_format": spec.quant_format.value,
+        "layout": {"name": LAYOUT_NAME, "version": LAYOUT_VERSION, "epilogue_tile_m": plan.epilogue_tile_m,
+                   "scale_layout": "128x4", "scale_dtype": "float8_e4m3fn",
+                   "sf_vec_size": spec.quant_format.sf_vec_size, "gemm1_rows": "gated-interleaved [up, gate]"},
+        "padding": {"multiple": plan.pad_multiple, "hidden_size": spec.hidden_size,
+                    "hidden_size_padded": plan.hidden_size_padded, "intermediate_size": spec.intermediate_size,
+                    "intermediate_size_padded": plan.intermediate_size_padded},
+        "num_experts": spec.num_experts,
+        "ep_size": plan.ep_size,
+        "tp_size": plan.tp_size,
+        "placement": plan.placement,
+        "activation": spec.activation,
+        "router": spec.router,
+        "moe_layers": [{"layer": layer, "prefix": spec.prefix(layer), "kernel_args": _kernel_args(plan, layer)}
+                       for layer in spec.moe_layers],
+        "ranks": [{"rank": r.rank, "ep_rank": r.ep_rank, "tp_rank": r.tp_rank, "experts": list(r.experts),
+                   "local_expert_offset": r.experts[0], "local_num_experts": len(r.experts),
+                   "folder": r.folder, "files": [{"path": f.path, **files[f.path]} for f in r.files]}
+                  for r in plan.ranks],
+        "common": {"folder": "common", "files": [{"path": f.path, **files[f.path]} for f in plan.common]},
+        "copied": [{"path": name, **files[name]} for name in plan.copied],
+    }
+
+
+def _write_file(out: Path, f: OutFile, tensors: dict[str, torch.Tensor]) -> dict:
+    path = out / f.path
+    write_safetensors(path, tensors)
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, placement: str = "contiguous",
+            pad_multiple: int = 256, max_shard_bytes: int | None = None, overwrite: bool = False,
+            device: str = "cpu", progress: Progress | None = None, dry_run: bool = False) -> ConvertResult | Plan:
+    """Convert checkpoint folder ``source`` into the artifact folder ``out`` (DESIGN.md).
+
+    Plans and validates every header first; nothing is written before the plan holds. The
+    manifest is written last. With ``dry_run`` returns the :class:`Plan` and writes nothing.
+    """
+    from moeshard.convert.plan import DEFAULT_MAX_SHARD_BYTES
+
+    out = Path(out)
+    if out.exists() and not dry_run:
+        if is_artifact(out) and not overwrite:
+            raise MoeshardError(f"{out}: already holds a moeshard artifact; pass --overwrite to replace it")
+        if not is_artifact(out) and any(out.iterdir()) and not overwrite:
+            raise MoeshardError(f"{out}: exists and is not empty; choose a new folder or pass --overwrite")
+    t0 = time.perf_counter()
+    with Checkpoint(source) as ckpt:
+        adapter = detect(ckpt)
+        spec = adapter.spec(ckpt)
+        plan = make_plan(ckpt, spec, ep_size=ep_size, tp_size=tp_size, placement=placement,
+                         pad_multiple=pad_multiple, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+        if dry_run:
+            return plan
+        if out.exists():
+            (out / MANIFEST_NAME).unlink(missing_ok=True)  # no longer an artifact while rewritten
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        tick = progress or (lambda n, what: None)
+        files: dict[str, dict] = {}
+        bytes_read = 0
+        for r in plan.ranks:
+            (out / r.folder).mkdir()
+            weight_map = {}
+            for f in r.files:
+                tensors = {}
+                for layer in f.layers:
+                    tensors.update(rank_layer_tensors(plan, ckpt, adapter, layer, r.experts, device))
+                    tick(0, f"{r.folder} layer {layer}")
+                files[f.path] = _write_file(out, f, tensors)
+                weight_map.update({k: Path(f.path).name for k in tensors})
+                tick(f.nbytes, f.path)
+                del tensors
+            write_index(out / r.folder, weight_map, sum(f.nbytes for f in r.files))
+        bytes_read = sum(ckpt.tensors[n].nbytes for n in spec.expert_tensors)
+        (out / "common").mkdir()
+        weight_map = {}
+        for f in plan.common:
+            tensors = {n: ckpt.read(n) for n in f.sources}
+            files[f.path] = _write_file(out, f, tensors)
+            weight_map.update({k: Path(f.path).name for k in tensors})
+            bytes_read += f.nbytes
+            tick(f.nbytes, f.path)
+            del tensors
+        write_index(out / "common", weight_map, sum(f.nbytes for f in plan.common))
+        for name in plan.copied:
+            shutil.copyfile(ckpt.root / name, out / name)
+            files[name] = {"bytes": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
+        source_files = {name: {"bytes": (ckpt.root / name).stat().st_size} for name in ckpt.files}
+        manifest = build_manifest(plan, files, source_files)
+        write_json(out / MANIFEST_NAME, manifest)
+    return ConvertResult(out, manifest, time.perf_counter() - t0, bytes_read, plan.total_bytes)
+
+
+__all__ = ["ConvertResult", "DTYPE_CODES", "convert", "rank_layer_tensors"]

@@ -1,0 +1,104 @@
+"""A source checkpoint folder: config files, index and tensor headers; slices read on demand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from moeshard.convert.io import DTYPES, INDEX_NAME, SINGLE_NAME, TensorInfo, read_header
+from moeshard.errors import MoeshardError
+
+
+def load_json(path: Path) -> dict:
+    if not path.is_file():
+        raise MoeshardError(f"{path}: missing (expected a JSON file)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MoeshardError(f"{path}: invalid JSON: {e}") from None
+
+
+class Checkpoint:
+    """A Hugging Face style safetensors checkpoint on local disk.
+
+    Holds config.json, the optional hf_quant_config.json, and every tensor's header
+    (:class:`TensorInfo`); tensor bytes are read only by :meth:`read`, through safetensors'
+    memory map, and only the requested slice.
+    """
+
+    def __init__(self, root: Path, *, with_config: bool = True):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise MoeshardError(f"{self.root}: not a folder (expected a checkpoint folder or a Hub repo id)")
+        self.config = load_json(self.root / "config.json") if with_config else {}
+        qpath = self.root / "hf_quant_config.json"
+        self.quant_config = load_json(qpath) if with_config and qpath.is_file() else None
+        self.tensors = self._read_headers()
+        self._handles: dict[str, object] = {}
+
+    def _read_headers(self) -> dict[str, TensorInfo]:
+        index = self.root / INDEX_NAME
+        if index.is_file():
+            weight_map = load_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise MoeshardError(f"{index}: expected a non-empty 'weight_map', found {type(weight_map).__name__}")
+            files = sorted(set(weight_map.values()))
+        elif (self.root / SINGLE_NAME).is_file():
+            weight_map, files = None, [SINGLE_NAME]
+        else:
+            raise MoeshardError(f"{self.root}: no {INDEX_NAME} and no {SINGLE_NAME}")
+        tensors: dict[str, TensorInfo] = {}
+        for name in files:
+            path = self.root / name
+            if not path.is_file():
+                raise MoeshardError(f"{index}: names shard {name}, which is missing from {self.root}")
+            tensors.update(read_header(path))
+        if weight_map is not None:
+            for k, f in weight_map.items():
+                if k not in tensors or tensors[k].file != f:
+                    raise MoeshardError(f"{index}: maps {k} to {f}, but {f} does not hold it")
+        return tensors
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({t.file for t in self.tensors.values()})
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise MoeshardError(f"{self.root}: tensor {name} missing from the checkpoint")
+        return self.tensors[name]
+
+    def expect(self, name: str, dtype: str, shape: tuple[int, ...]) -> TensorInfo:
+        """Check one tensor's header, raising a MoeshardError naming file, tensor, expected, found."""
+        t = self.info(name)
+        if t.dtype != dtype:
+            raise MoeshardError(f"{t.file}: {name}: expected dtype {dtype}, found {t.dtype}")
+        if t.shape != tuple(shape):
+            raise MoeshardError(f"{t.file}: {name}: expected shape {list(shape)}, found {list(t.shape)}")
+        return t
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Tensor ``name``, or its rows ``[start, stop)`` along dim 0, as a new CPU tensor."""
+        from safetensors import safe_open
+
+        t = self.info(name)
+        f = self._handles.get(t.file)
+        if f is None:
+            f = self._handles[t.file] = safe_open(self.root / t.file, framework="pt")
+        if start is None and stop is None:
+            return f.get_tensor(name)
+        return f.get_slice(name)[start:stop]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["Checkpoint", "DTYPES", "load_json"]

@@ -1,0 +1,60 @@
+"""``moeshard inspect``: what a source checkpoint or an artifact holds, as a plain dict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moeshard.convert.manifest import is_artifact, read_manifest
+
+
+def inspect_path(path: Path) -> dict:
+    """Summary of a checkpoint folder or an artifact (decided by the presence of moeshard.json)."""
+    path = Path(path)
+    if is_artifact(path):
+        m = read_manifest(path)
+        first = m["moe_layers"][0]
+        return {
+            "kind": "artifact",
+            "path": str(path),
+            "family": m["family"],
+            "quant_format": m["quant_format"],
+            "layout": m["layout"],
+            "padding": m["padding"],
+            "num_experts": m["num_experts"],
+            "moe_layers": len(m["moe_layers"]),
+            "ep_size": m["ep_size"],
+            "tp_size": m["tp_size"],
+            "placement": m["placement"],
+            "source": m["source"]["repo_id"] or m["source"]["path"],
+            "kernel_args": first["kernel_args"],
+            "ranks": [{"rank": r["rank"], "experts": f"{r['experts'][0]}-{r['experts'][-1]}",
+                       "local_expert_offset": r["local_expert_offset"], "files": len(r["files"]),
+                       "bytes": sum(f["bytes"] for f in r["files"])} for r in m["ranks"]],
+            "common_bytes": sum(f["bytes"] for f in m["common"]["files"]),
+        }
+    from moeshard.convert.families import detect
+    from moeshard.convert.source import Checkpoint
+
+    with Checkpoint(path) as ckpt:
+        adapter = detect(ckpt)
+        spec = adapter.spec(ckpt)
+        layer = spec.moe_layers[0]
+        prefix = spec.prefix(layer)
+        experts = {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(ckpt.tensors.items())
+                   if n in spec.expert_tensors and n.startswith(prefix)}
+        return {
+            "kind": "checkpoint",
+            "path": str(path),
+            "family": spec.family.value,
+            "quant_format": spec.quant_format.value,
+            "num_experts": spec.num_experts,
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "moe_layers": len(spec.moe_layers),
+            "routing": spec.routing,
+            "activation": spec.activation,
+            "files": len(ckpt.files),
+            "bytes": sum(t.nbytes for t in ckpt.tensors.values()),
+            "expert_bytes": sum(ckpt.tensors[n].nbytes for n in spec.expert_tensors),
+            "expert_tensors_of_layer": {"layer": layer, "tensors": experts},
+        }

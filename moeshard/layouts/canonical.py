@@ -1,0 +1,98 @@
+"""Canonical experts: the seam between checkpoint adapters and kernel layouts (DESIGN.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class CanonicalExperts:
+    """The experts of one MoE layer that one rank owns, in one family-neutral form.
+
+    E = local experts, H = hidden size, I = intermediate size, sf = 32 (MXFP4) or 16 (NVFP4).
+
+    Attributes
+    ----------
+    w13 : ``[E, 2*I, H // 2]`` uint8
+        Packed E2M1, low nibble = even element. Rows ``[up (w3) ; gate (w1)]``.
+    w13_scale : ``[E, 2*I, H // sf]`` uint8
+        MXFP4: UE8M0 bytes; NVFP4: E4M3 bytes. Row-major ("linear") layout.
+    w2 : ``[E, H, I // 2]`` uint8
+    w2_scale : ``[E, H, I // sf]`` uint8
+    w13_bias, w2_bias : ``[E, 2*I]``, ``[E, H]`` float32, or None (GPT-OSS only).
+    w13_scale_2, w2_scale_2 : ``[E]`` float32 or None
+        NVFP4 per-tensor weight scale (``weight_scale_2``).
+    w13_input_scale, w2_input_scale : ``[E]`` float32 or None
+        NVFP4 activation scale (``input_scale``).
+    """
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    w13_scale_2: torch.Tensor | None = None
+    w2_scale_2: torch.Tensor | None = None
+    w13_input_scale: torch.Tensor | None = None
+    w2_input_scale: torch.Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def sf_vec_size(self) -> int:
+        return self.hidden_size // self.w13_scale.shape[2]
+
+    def replace(self, **changes) -> "CanonicalExperts":
+        return dataclasses.replace(self, **changes)
+
+
+def _pad_halves(t: torch.Tensor, i: int, i_pad: int) -> torch.Tensor:
+    """Pad each half of dim 1 (``[up ; gate]``, I rows each) to ``i_pad`` rows with zeros."""
+    if i_pad == i:
+        return t
+    up, gate = t[:, :i], t[:, i:]
+    pad = [0, 0] * (t.dim() - 2) + [0, i_pad - i]
+    return torch.cat((F.pad(up, pad), F.pad(gate, pad)), dim=1)
+
+
+def _pad_last(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t if t.shape[-1] == n else F.pad(t, (0, n - t.shape[-1]))
+
+
+def pad_experts(c: CanonicalExperts, hidden_pad: int, inter_pad: int) -> CanonicalExperts:
+    """Zero-pad H to ``hidden_pad`` and I to ``inter_pad`` (padding at the end of each dim).
+
+    Padding of w13 is per half, so the result is still ``[up ; gate]`` with ``inter_pad``
+    rows each: ``w13 [E, 2*inter_pad, hidden_pad // 2]``, ``w2 [E, hidden_pad, inter_pad // 2]``,
+    scales and biases alike. Padded rows, columns and bias entries are zero, so padded outputs
+    are zero (SwiGLU of zero is zero). Returns new tensors; the input is not modified.
+
+    Preconditions: ``hidden_pad`` and ``inter_pad`` are multiples of the scale block (32 for
+    MXFP4, 16 for NVFP4) and not smaller than H and I.
+    """
+    e, two_i, _ = c.w13.shape
+    i, h, sf = two_i // 2, c.hidden_size, c.sf_vec_size
+    if hidden_pad < h or inter_pad < i or hidden_pad % sf or inter_pad % sf:
+        raise ValueError(f"cannot pad H={h}, I={i} to {hidden_pad}, {inter_pad} (block {sf})")
+    w13 = _pad_last(_pad_halves(c.w13, i, inter_pad), hidden_pad // 2)
+    w13_scale = _pad_last(_pad_halves(c.w13_scale, i, inter_pad), hidden_pad // sf)
+    w2 = _pad_last(F.pad(c.w2, (0, 0, 0, hidden_pad - h)), inter_pad // 2)
+    w2_scale = _pad_last(F.pad(c.w2_scale, (0, 0, 0, hidden_pad - h)), inter_pad // sf)
+    w13_bias = None if c.w13_bias is None else _pad_halves(c.w13_bias, i, inter_pad)
+    w2_bias = None if c.w2_bias is None else _pad_last(c.w2_bias, hidden_pad)
+    return c.replace(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, w13_bias=w13_bias, w2_bias=w2_bias)

@@ -1,0 +1,130 @@
+"""Canonical experts <-> the FP4 layout of FlashInfer's trtllm-gen fused MoE.
+
+Per expert, with ``epilogue_tile_m = 128`` (DESIGN.md, "trtllm-gen FP4 layout"):
+
+- ``gemm1_weights``: w13 rows permuted by the gated-activation reorder (out[2k] = up k,
+  out[2k+1] = gate k) followed by the row shuffle (out[32b + j] = in[32b + 4*(j%8) + j//8]);
+- ``gemm1_weights_scale``: w13_scale rows by the same permutation, then the 128x4 interleave,
+  labelled float8_e4m3fn (also MXFP4's UE8M0 bytes: the kernel infers the format from the size);
+- ``gemm1_bias``: w13_bias by the same permutation, float32;
+- ``gemm2_*``: the same without the gated reorder.
+
+The row permutations come from FlashInfer's own index functions
+(``get_reorder_rows_for_gated_act_gemm_row_indices``, ``get_shuffle_matrix_a_row_indices``),
+composed once per shape and applied to all experts of a layer in one gather.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moeshard.layouts.canonical import CanonicalExperts
+from moeshard.layouts.scales import deinterleave_scales_128x4, interleave_scales_128x4
+
+LAYOUT_NAME = "trtllm-gen-fp4"
+LAYOUT_VERSION = 1
+EPILOGUE_TILE_M = 128
+SCALE_DTYPE = torch.float8_e4m3fn
+
+#: GPT-OSS SwiGLU constants (alpha is hard-coded in the reference code, not in config.json).
+GPT_OSS_SWIGLU_ALPHA = 1.702
+GPT_OSS_SWIGLU_BETA = 1.0
+
+
+@functools.lru_cache(maxsize=64)
+def _row_permutation(rows: int, epilogue_tile_m: int, gated: bool) -> torch.Tensor:
+    # FlashInfer's helpers only read the shape of their argument; a [rows, 1] stand-in suffices.
+    from flashinfer.fused_moe.core import get_reorder_rows_for_gated_act_gemm_row_indices
+    from flashinfer.utils import get_shuffle_matrix_a_row_indices
+
+    probe = torch.empty(rows, 1, dtype=torch.uint8)
+    shuffle = get_shuffle_matrix_a_row_indices(probe, epilogue_tile_m=epilogue_tile_m)
+    if not gated:
+        return shuffle
+    # Same composition as FlashInfer's _maybe_get_cached_w3_w1_permute_indices: reorder, then shuffle.
+    return get_reorder_rows_for_gated_act_gemm_row_indices(probe)[shuffle]
+
+
+def gemm1_row_permutation(rows: int, epilogue_tile_m: int = EPILOGUE_TILE_M) -> torch.Tensor:
+    """Row gather indices ``[rows]`` int64 for GEMM1 (``[up ; gate]`` rows, gated activation).
+
+    ``out = w13[:, perm]``. Requires ``rows % 2 == 0`` and ``rows % 32 == 0`` (tile 128).
+    Cached by ``(rows, epilogue_tile_m)``; callers must not modify the result.
+    """
+    return _row_permutation(rows, epilogue_tile_m, True)
+
+
+def gemm2_row_permutation(rows: int, epilogue_tile_m: int = EPILOGUE_TILE_M) -> torch.Tensor:
+    """Row gather indices ``[rows]`` int64 for GEMM2 (plain shuffle)."""
+    return _row_permutation(rows, epilogue_tile_m, False)
+
+
+def _gather_rows(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    return torch.index_select(t, 1, perm.to(t.device))
+
+
+def to_trtllm(c: CanonicalExperts, epilogue_tile_m: int = EPILOGUE_TILE_M) -> dict[str, torch.Tensor]:
+    """Rewrite (already padded) canonical experts into the trtllm-gen kernel tensors.
+
+    Parameters
+    ----------
+    c : canonical experts with ``2*I % 128 == 0``, ``H % 128 == 0`` and ``H // sf``,
+        ``I // sf`` multiples of 4, so that the 128x4 interleave adds no padding.
+
+    Returns
+    -------
+    dict with ``gemm1_weights [E, 2*I, H // 2]`` uint8, ``gemm1_weights_scale [E, 2*I, H // sf]``
+    float8_e4m3fn, ``gemm2_weights [E, H, I // 2]`` uint8, ``gemm2_weights_scale [E, H, I // sf]``
+    float8_e4m3fn and, when c has biases, ``gemm1_bias [E, 2*I]`` / ``gemm2_bias [E, H]``
+    float32. All new tensors on c's device.
+    """
+    e, two_i, _ = c.w13.shape
+    h = c.hidden_size
+    for name, (rows, cols) in {"w13_scale": c.w13_scale.shape[1:], "w2_scale": c.w2_scale.shape[1:]}.items():
+        if rows % 128 or cols % 4:
+            raise ValueError(f"{name} [{rows}, {cols}] needs rows % 128 == 0 and cols % 4 == 0; pad first")
+    p1 = gemm1_row_permutation(two_i, epilogue_tile_m)
+    p2 = gemm2_row_permutation(h, epilogue_tile_m)
+    out = {
+        "gemm1_weights": _gather_rows(c.w13, p1),
+        "gemm1_weights_scale": interleave_scales_128x4(_gather_rows(c.w13_scale, p1)).view(SCALE_DTYPE),
+        "gemm2_weights": _gather_rows(c.w2, p2),
+        "gemm2_weights_scale": interleave_scales_128x4(_gather_rows(c.w2_scale, p2)).view(SCALE_DTYPE),
+    }
+    if c.w13_bias is not None:
+        out["gemm1_bias"] = _gather_rows(c.w13_bias.float(), p1)
+    if c.w2_bias is not None:
+        out["gemm2_bias"] = _gather_rows(c.w2_bias.float(), p2)
+    return out
+
+
+def from_trtllm(t: dict[str, torch.Tensor], epilogue_tile_m: int = EPILOGUE_TILE_M) -> CanonicalExperts:
+    """Read kernel tensors back the way the kernel does: inverse interleave, inverse permutation.
+
+    The inverse of :func:`to_trtllm` (padded canonical experts; scalars are not part of it).
+    """
+    w1, w2 = t["gemm1_weights"], t["gemm2_weights"]
+    two_i, h = w1.shape[1], w2.shape[1]
+    inv1 = torch.argsort(gemm1_row_permutation(two_i, epilogue_tile_m))
+    inv2 = torch.argsort(gemm2_row_permutation(h, epilogue_tile_m))
+    s1, s2 = t["gemm1_weights_scale"], t["gemm2_weights_scale"]
+    s1 = deinterleave_scales_128x4(s1.view(torch.uint8), s1.shape[1], s1.shape[2])
+    s2 = deinterleave_scales_128x4(s2.view(torch.uint8), s2.shape[1], s2.shape[2])
+    b1, b2 = t.get("gemm1_bias"), t.get("gemm2_bias")
+    return CanonicalExperts(
+        w13=_gather_rows(w1.view(torch.uint8), inv1),
+        w13_scale=_gather_rows(s1, inv1),
+        w2=_gather_rows(w2.view(torch.uint8), inv2),
+        w2_scale=_gather_rows(s2, inv2),
+        w13_bias=None if b1 is None else _gather_rows(b1, inv1),
+        w2_bias=None if b2 is None else _gather_rows(b2, inv2),
+    )
+
+
+def swiglu_oai_scalars(num_experts: int, limit: float, alpha: float = GPT_OSS_SWIGLU_ALPHA,
+                       beta: float = GPT_OSS_SWIGLU_BETA) -> dict[str, torch.Tensor]:
+    """``gemm1_alpha``, ``gemm1_beta``, ``gemm1_clamp_limit``: float32 ``[E]`` each (GPT-OSS)."""
+    full = lambda v: torch.full((num_experts,), v, dtype=torch.float32)  # noqa: E731
+    return {"gemm1_alpha": full(alpha), "gemm1_beta": full(beta), "gemm1_clamp_limit": full(limit)}

@@ -1,0 +1,75 @@
+"""Reference MoE math in float32, on dequantized canonical experts (no kernel layout involved)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def route(logits: torch.Tensor, routing: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert ids ``[T, k]`` int64 and weights ``[T, k]`` float32 from router logits ``[T, E]``.
+
+    Renormalize (GPT-OSS, routing_method_type 1): top-k of the logits, softmax over the k chosen.
+    """
+    method = routing["routing_method_type"]
+    k = routing["top_k"]
+    logits = logits.float()
+    if method == 1:
+        vals, ids = torch.topk(logits, k, dim=-1)
+        return ids, torch.softmax(vals, dim=-1)
+    raise ValueError(f"routing_method_type {method} is not supported")
+
+
+def activate(h1: torch.Tensor, activation: dict, e: int) -> torch.Tensor:
+    """GEMM1 output ``[T, 2*I]`` with ``[up ; gate]`` halves -> ``[T, I]`` for local expert ``e``.
+
+    ``swiglu_oai`` (GPT-OSS): ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+    ``(up + beta) * gate * sigmoid(alpha * gate)``; alpha, beta, limit are floats or ``[E]``
+    tensors (the artifact's per-expert kernel scalars). ``swiglu``: ``silu(gate) * up``.
+    """
+    i = h1.shape[-1] // 2
+    up, gate = h1[..., :i], h1[..., i:]
+    if activation["type"] == "swiglu":
+        return torch.nn.functional.silu(gate) * up
+    at = lambda k: activation[k][e].item() if isinstance(activation[k], torch.Tensor) else activation[k]  # noqa: E731
+    lim, alpha, beta = at("limit"), at("alpha"), at("beta")
+    gate = gate.clamp(max=lim)
+    up = up.clamp(min=-lim, max=lim)
+    return (up + beta) * gate * torch.sigmoid(alpha * gate)
+
+
+def moe_forward(x: torch.Tensor, expert: Callable[[int], tuple], num_local: int, ids: torch.Tensor,
+                weights: torch.Tensor, activation: dict, expert_offset: int = 0) -> torch.Tensor:
+    """Sum over the routed experts that lie in ``[expert_offset, expert_offset + num_local)``.
+
+    Parameters
+    ----------
+    x : ``[T, H]`` float32 hidden states
+    expert : local index e -> ``(w13 [2*I, H], w2 [H, I], b13 [2*I] or None, b2 [H] or None)``
+        float32, w13 rows ``[up ; gate]``; called once per expert that has tokens, so that only
+        one expert is dequantized at a time.
+    ids, weights : ``[T, k]`` global expert ids and their routing weights
+
+    Returns
+    -------
+    ``[T, H]`` float32: ``sum_k weight * (act(x @ w13.T + b13) @ w2.T + b2)`` over the local
+    experts only (a rank's partial output).
+    """
+    out = None
+    local = ids - expert_offset
+    for e in torch.unique(local).tolist():
+        if not 0 <= e < num_local:
+            continue
+        w13, w2, b13, b2 = expert(e)
+        if out is None:
+            out = torch.zeros(x.shape[0], w2.shape[0], dtype=torch.float32, device=x.device)
+        tok, slot = torch.where(local == e)
+        h1 = x[tok] @ w13.T
+        if b13 is not None:
+            h1 = h1 + b13
+        y = activate(h1, activation, e) @ w2.T
+        if b2 is not None:
+            y = y + b2
+        out.index_add_(0, tok, y * weights[tok, slot, None])
+    return out if out is not None else torch.zeros_like(x)

@@ -1,0 +1,43 @@
+"""The CPU 128x4 scale interleave against the layout formula, on awkward shapes."""
+
+import pytest
+import torch
+
+from _reference import interleave_formula
+from moeshard.layouts.scales import deinterleave_scales_128x4, interleave_scales_128x4
+
+#: Rows and columns off multiples of 128 and 4, and on them.
+SHAPES = [(1, 1), (31, 3), (120, 5), (128, 4), (200, 7), (256, 90), (384, 13)]
+
+
+@pytest.mark.parametrize("m,k", SHAPES)
+def test_interleave_matches_formula(m, k):
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    sf = torch.randint(0, 255, (3, m, k), dtype=torch.uint8, generator=g)
+    got = interleave_scales_128x4(sf)
+    for e in range(3):
+        assert torch.equal(got[e].flatten(), interleave_formula(sf[e]))
+
+
+@pytest.mark.parametrize("m,k", SHAPES)
+def test_deinterleave_inverts(m, k):
+    sf = torch.randint(0, 255, (2, m, k), dtype=torch.uint8)
+    assert torch.equal(deinterleave_scales_128x4(interleave_scales_128x4(sf), m, k), sf)
+
+
+def test_hand_checked_offsets():
+    # One non-zero byte at a time in a [256, 8] matrix (Kp/4 = 2 column groups).
+    cases = {(0, 0): 0, (0, 1): 1, (0, 3): 3, (0, 4): 512, (1, 0): 16, (31, 0): 496,
+             (32, 0): 4, (96, 2): 14, (128, 0): 1024, (129, 5): 1024 + 512 + 16 + 1}
+    for (m, k), off in cases.items():
+        sf = torch.zeros(1, 256, 8, dtype=torch.uint8)
+        sf[0, m, k] = 7
+        flat = interleave_scales_128x4(sf).flatten()
+        assert flat[off] == 7 and int(flat.count_nonzero()) == 1, (m, k, off)
+
+
+def test_keeps_fp8_label_and_padding_is_zero():
+    sf = torch.full((1, 100, 3), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    out = interleave_scales_128x4(sf)
+    assert out.dtype == torch.float8_e4m3fn and out.shape == (1, 128, 4)
+    assert int(out.view(torch.uint8).count_nonzero()) == 300
