@@ -19,8 +19,8 @@ from moeshard.errors import MoeshardError
 
 app = typer.Typer(
     name="moeshard",
-    help="Convert quantized MoE checkpoints (GPT-OSS MXFP4) into FlashInfer trtllm-gen "
-    "expert-parallel rank shards, and prove every shard right.",
+    help="Convert quantized MoE checkpoints (GPT-OSS MXFP4, DeepSeek-R1-FP4 and Llama-4-Scout-FP4 NVFP4) "
+    "into FlashInfer trtllm-gen expert-parallel rank shards, and prove every shard right.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -90,12 +90,16 @@ def _fmt_bytes(n: int) -> str:
 
 
 @app.command(epilog="Examples:\n\n  moeshard fixture gpt-oss --preset tiny -o tiny-gpt-oss\n\n"
-             "  moeshard fixture gpt-oss --preset gpt-oss-120b --layers 2 -o bench-120b")
+             "  moeshard fixture gpt-oss --preset gpt-oss-120b --layers 2 -o bench-120b\n\n"
+             "  moeshard fixture deepseek-r1-fp4 --preset deepseek-r1 --layers 4 -o bench-r1\n\n"
+             "  moeshard fixture llama4-scout-fp4 -o tiny-scout")
 def fixture(
-    family: Annotated[str, typer.Argument(help="Checkpoint family: gpt-oss.")],
+    family: Annotated[str, typer.Argument(help="gpt-oss, deepseek-r1-fp4 or llama4-scout-fp4.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (must be new or empty).")],
-    preset: Annotated[str, typer.Option(help="tiny (tests), gpt-oss-20b or gpt-oss-120b (real layer sizes).")] = "tiny",
-    layers: Annotated[Optional[int], typer.Option(help="Number of layers (default: the preset's).")] = None,
+    preset: Annotated[str, typer.Option(help="tiny (tests) or real layer sizes: gpt-oss-20b, gpt-oss-120b, "
+                                             "deepseek-r1, llama4-scout.")] = "tiny",
+    layers: Annotated[Optional[int], typer.Option(help="Number of layers (default: the preset's; DeepSeek keeps "
+                                                       "at most layers-1 dense layers).")] = None,
     seed: Annotated[int, typer.Option(help="Random seed of the generated weights.")] = 0,
 ) -> None:
     """Write a synthetic checkpoint in the exact on-disk format of the real model."""
@@ -183,11 +187,12 @@ def inspect(
                          ("rank", "experts", "local_expert_offset", "files", "bytes")))
         out_console.print(rt)
     else:
-        et = Table(title=f"expert tensors of layer {info['expert_tensors_of_layer']['layer']}")
+        ex = info["expert_tensors_of_layer"]
+        et = Table(title=escape(f"expert tensors of layer {ex['layer']} ({ex['prefix']}.*)"))
         for col in ("tensor", "dtype", "shape"):
             et.add_column(col)
-        for n, t in info["expert_tensors_of_layer"]["tensors"].items():
-            et.add_row(n, t["dtype"], str(t["shape"]))
+        for n, t in ex["tensors"].items():
+            et.add_row(n[len(ex["prefix"]) + 1:], t["dtype"], str(t["shape"]))
         out_console.print(et)
 
 
@@ -239,13 +244,14 @@ def validate(
         raise typer.Exit(1)
 
 
-@app.command(epilog="Example:\n\n  moeshard demo -o demo-out")
+@app.command(epilog="Examples:\n\n  moeshard demo -o demo-out\n\n  moeshard demo --family deepseek-r1-fp4 --ep-size 4")
 def demo(
     output: Annotated[Path, typer.Option("--output", "-o", help="Working folder (replaced).")] = Path("demo-out"),
+    family: Annotated[str, typer.Option(help="gpt-oss, deepseek-r1-fp4 or llama4-scout-fp4.")] = "gpt-oss",
     ep_size: Annotated[int, typer.Option(help="Expert-parallel ranks.")] = 2,
     as_json: JsonOpt = False,
 ) -> None:
-    """Generate a tiny GPT-OSS checkpoint, convert it with --ep-size 2, validate, print the report."""
+    """Generate a tiny checkpoint (GPT-OSS by default), convert it with --ep-size 2, validate, print the report."""
     import shutil
 
     from moeshard.convert.pipeline import convert as run_convert
@@ -255,13 +261,13 @@ def demo(
 
     if output.exists():
         shutil.rmtree(output)
-    src = make("gpt-oss", "tiny", output / "source")
+    src = make(family, "tiny", output / "source")
     res = run_convert(src, output / "artifact", ep_size=ep_size)
     report = run_validate(res.out)
     if as_json:
         out_console.print_json(json.dumps({"inspect": inspect_path(res.out), "validate": report.to_json()}))
     else:
-        err_console.print(f"1. fixture: tiny GPT-OSS checkpoint (MXFP4) in {src}")
+        err_console.print(f"1. fixture: tiny {family} checkpoint ({res.manifest['quant_format']}) in {src}")
         err_console.print(f"2. convert: {len(res.manifest['ranks'])} ranks in {res.out} "
                           f"({_fmt_bytes(res.bytes_written)}, {res.seconds:.2f} s)")
         err_console.print("3. validate:")

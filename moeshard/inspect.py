@@ -40,8 +40,10 @@ def inspect_path(path: Path) -> dict:
         spec = adapter.spec(ckpt)
         layer = spec.moe_layers[0]
         prefix = spec.prefix(layer)
+        # Per-expert families (DeepSeek) list expert 0 only.
         experts = {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(ckpt.tensors.items())
-                   if n in spec.expert_tensors and n.startswith(prefix)}
+                   if n in spec.expert_tensors and n.startswith(prefix)
+                   and not n[len(prefix) + 1:].split(".")[0].isdigit() or n.startswith(prefix + ".0.")}
         return {
             "kind": "checkpoint",
             "path": str(path),
@@ -56,5 +58,5 @@ def inspect_path(path: Path) -> dict:
             "files": len(ckpt.files),
             "bytes": sum(t.nbytes for t in ckpt.tensors.values()),
             "expert_bytes": sum(ckpt.tensors[n].nbytes for n in spec.expert_tensors),
-            "expert_tensors_of_layer": {"layer": layer, "tensors": experts},
+            "expert_tensors_of_layer": {"layer": layer, "prefix": prefix, "tensors": experts},
         }

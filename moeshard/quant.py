@@ -37,17 +37,13 @@ def quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
     """
     if x.shape[-1] % 2:
         raise ValueError(f"last dim must be even, found {x.shape[-1]}")
-    mags = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=x.device)
-    a = x.float().abs().clamp(max=E2M1_MAX)
-    # Midpoints between consecutive magnitudes; at a tie pick the even code (mantissa bit 0).
-    mid = (mags[1:] + mags[:-1]) / 2
-    # bucketize(right=False): a == mid[i] lands on code i (the lower neighbour); at such a tie
-    # move to code i + 1 when i is odd, so that ties go to the even code.
-    code = torch.bucketize(a, mid, right=False)
-    tie = a == mid[code.clamp(max=6)]
-    code = torch.where(tie & (code % 2 == 1), code + 1, code)
-    code = code | ((x < 0) & (code > 0)).long() << 3
-    code = code.to(torch.uint8)
+    a = x.float().abs()
+    # Decision bounds between the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; ">" at a bound rounds a
+    # tie down, ">=" up, so that every tie lands on the even code.
+    code = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for bound, up in ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)):
+        code += (a >= bound) if up else (a > bound)
+    code |= ((x < 0) & (code > 0)).to(torch.uint8) << 3
     return code[..., 0::2] | (code[..., 1::2] << 4)
 
 

@@ -84,3 +84,72 @@ def vllm_gpt_oss_trtllm(blocks13, scales13, bias13, blocks2, scales2, bias2, h_p
     res["gemm1_weights_scale"] = res["gemm1_weights_scale"].view(torch.float8_e4m3fn)
     res["gemm2_weights_scale"] = res["gemm2_weights_scale"].view(torch.float8_e4m3fn)
     return res
+
+
+def vllm_nvfp4_trtllm(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                      w13_scale_2: torch.Tensor, w2_scale_2: torch.Tensor, a13: torch.Tensor, a2: torch.Tensor,
+                      interleave=interleave_formula) -> dict[str, torch.Tensor]:
+    """vLLM's ModelOpt NVFP4 -> trtllm-gen preparation (``prepare_static_weights_for_trtllm_fp4_moe``
+    and the scale math of ``ModelOptNvFp4FusedMoE.process_weights_after_loading``), per expert.
+
+    Inputs: one rank's experts after vLLM's ``reorder_w1w3_to_w3w1`` (rows ``[w3 ; w1]``) and
+    after any zero padding: ``w13 [E, 2I, H/2]`` uint8, ``s13 [E, 2I, H/16]`` uint8 (E4M3 bytes),
+    ``w2 [E, H, I/2]``, ``s2 [E, H, I/16]``; ``w13_scale_2``/``w2_scale_2`` ``[E]``; ``a13``,
+    ``a2`` the layer's maxima of input_scale over all experts.
+    """
+    from flashinfer.fused_moe.core import _maybe_get_cached_w3_w1_permute_indices, get_w2_permute_indices_with_cache
+
+    cache: dict = {}
+    g1w, g1s, g2w, g2s = [], [], [], []
+    e, two_i, hh = w13.shape
+    for i in range(e):
+        idx = _maybe_get_cached_w3_w1_permute_indices(cache, w13[i], 128)
+        g1w.append(w13[i][idx].contiguous())
+        idx = _maybe_get_cached_w3_w1_permute_indices(cache, s13[i], 128, num_elts_per_sf=16)
+        g1s.append(interleave(s13[i][idx].contiguous()))
+        idx = get_w2_permute_indices_with_cache(cache, w2[i], 128)
+        g2w.append(w2[i][idx].contiguous())
+        idx = get_w2_permute_indices_with_cache(cache, s2[i], 128, num_elts_per_sf=16)
+        g2s.append(interleave(s2[i][idx].contiguous()))
+    g1_alphas = (a13 * w13_scale_2).to(torch.float32)
+    w2_input_scale_quant = (1 / a2).to(torch.float32)
+    return {
+        "gemm1_weights": torch.stack(g1w),
+        "gemm1_weights_scale": torch.stack(g1s).view(torch.float8_e4m3fn).reshape(e, two_i, s13.shape[2]),
+        "gemm2_weights": torch.stack(g2w),
+        "gemm2_weights_scale": torch.stack(g2s).view(torch.float8_e4m3fn).reshape(e, w2.shape[1], s2.shape[2]),
+        "output1_scale_gate_scalar": g1_alphas,
+        "output1_scale_scalar": w2_input_scale_quant * g1_alphas,
+        "output2_scale_scalar": (a2 * w2_scale_2).to(torch.float32),
+        "hidden_states_scale_global": (1 / a13).to(torch.float32),
+    }
+
+
+def pad_w13(t: torch.Tensor, i_pad: int, k_pad: int) -> torch.Tensor:
+    """Zero-pad ``[E, 2I, K]`` rows ``[a ; b]`` to ``[E, 2*i_pad, k_pad]`` (each half at its end)."""
+    e, two_i, k = t.shape
+    i = two_i // 2
+    out = torch.zeros(e, 2 * i_pad, k_pad, dtype=t.dtype)
+    out[:, :i, :k] = t[:, :i]
+    out[:, i_pad:i_pad + i, :k] = t[:, i:]
+    return out
+
+
+def pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = torch.zeros(t.shape[0], rows, cols, dtype=t.dtype)
+    out[:, : t.shape[1], : t.shape[2]] = t
+    return out
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def dequant_nvfp4_ref(w: torch.Tensor, s: torch.Tensor, s2) -> torch.Tensor:
+    """ModelOpt's NVFP4 decode, written out: ``[N, K/2]`` uint8, ``[N, K/16]`` E4M3, scalar -> ``[N, K]`` f32.
+    Element 2j is the low nibble of byte j; w[n, k] = e2m1 * float(weight_scale[n, k // 16]) * weight_scale_2."""
+    lut = torch.tensor(E2M1)
+    codes = torch.empty(w.shape[0], w.shape[1] * 2, dtype=torch.long)
+    codes[:, 0::2] = (w & 0xF).long()
+    codes[:, 1::2] = (w >> 4).long()
+    scale = s.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
+    return lut[codes] * scale * float(s2)

@@ -87,11 +87,13 @@ def test_wrong_dtype_names_file_tensor_expected_found(tmp_path, monkeypatch, cap
             "expected dtype U8, found BF16") in err
 
 
-def test_demo(tmp_path):
-    r = run("demo", "-o", tmp_path / "demo", "--json")
+@pytest.mark.parametrize("family,quant", [("gpt-oss", "mxfp4"), ("deepseek-r1-fp4", "nvfp4"),
+                                          ("llama4-scout-fp4", "nvfp4")])
+def test_demo(tmp_path, family, quant):
+    r = run("demo", "-o", tmp_path / "demo", "--family", family, "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["validate"]["passed"] and doc["inspect"]["ep_size"] == 2
+    assert doc["validate"]["passed"] and doc["inspect"]["ep_size"] == 2 and doc["inspect"]["quant_format"] == quant
 
 
 def test_help_does_not_import_torch():

@@ -66,11 +66,17 @@ class Adapter(Protocol):
     def read_experts(self, ckpt: "Checkpoint", spec: ModelSpec, layer: int, start: int, stop: int) -> "CanonicalExperts":
         """Experts ``[start, stop)`` of one layer in canonical form, unpadded."""
 
+    # NVFP4 families also have:
+    # def input_scales(self, ckpt, spec, layer) -> tuple[Tensor, Tensor]:
+    #     """(a13, a2): the layer's maxima of the GEMM1 / GEMM2 input_scale over all experts."""
+
 
 def adapters() -> dict[Family, Adapter]:
+    from moeshard.convert.deepseek import DeepSeekAdapter
     from moeshard.convert.gpt_oss import GptOssAdapter
+    from moeshard.convert.llama4 import Llama4Adapter
 
-    return {Family.GPT_OSS: GptOssAdapter()}
+    return {Family.GPT_OSS: GptOssAdapter(), Family.DEEPSEEK: DeepSeekAdapter(), Family.LLAMA4: Llama4Adapter()}
 
 
 def detect(ckpt: "Checkpoint") -> Adapter:
@@ -83,6 +89,6 @@ def detect(ckpt: "Checkpoint") -> Adapter:
     mt = ckpt.config.get("model_type")
     qm = (ckpt.config.get("quantization_config") or {}).get("quant_method")
     raise MoeshardError(
-        f"{ckpt.root / 'config.json'}: unsupported checkpoint: expected model_type gpt_oss with quant_method mxfp4"
-        f", found model_type {mt!r} with quant_method {qm!r}"
+        f"{ckpt.root / 'config.json'}: unsupported checkpoint: expected gpt_oss (mxfp4), deepseek_v3 or llama4 "
+        f"(ModelOpt NVFP4), found model_type {mt!r} with quant_method {qm!r}"
     )

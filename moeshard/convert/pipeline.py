@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 
 from moeshard import __version__
-from moeshard.convert.families import detect
+from moeshard.convert.families import QuantFormat, detect
 from moeshard.convert.io import DTYPE_CODES, sha256_file, write_index, write_json, write_safetensors
 from moeshard.convert.manifest import MANIFEST_NAME, SCHEMA_VERSION, is_artifact
 from moeshard.convert.plan import OutFile, Plan, make_plan
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.layouts.canonical import pad_experts
-from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, swiglu_oai_scalars, to_trtllm
+from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, nvfp4_scalars, swiglu_oai_scalars, to_trtllm
 
 Progress = Callable[[int, str], None]
 
@@ -42,8 +42,12 @@ def _flashinfer_version() -> str | None:
 
 
 def rank_layer_tensors(plan: Plan, ckpt: Checkpoint, adapter, layer: int, experts: tuple[int, ...],
-                       device: str = "cpu") -> dict[str, torch.Tensor]:
-    """The kernel tensors of one MoE layer for one rank's (contiguous) experts, on the CPU."""
+                       device: str = "cpu", input_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """The kernel tensors of one MoE layer for one rank's (contiguous) experts, on the CPU.
+
+    ``input_scales`` are the layer's ``(a13, a2)`` for NVFP4 (read from the source when None).
+    """
     spec = plan.spec
     c = adapter.read_experts(ckpt, spec, layer, experts[0], experts[-1] + 1)
     if device != "cpu":
@@ -53,6 +57,9 @@ def rank_layer_tensors(plan: Plan, ckpt: Checkpoint, adapter, layer: int, expert
     if spec.activation["type"] == "swiglu_oai":
         a = spec.activation
         t.update(swiglu_oai_scalars(len(experts), a["limit"], a["alpha"], a["beta"]))
+    if spec.quant_format is QuantFormat.NVFP4:
+        a13, a2 = input_scales if input_scales is not None else adapter.input_scales(ckpt, spec, layer)
+        t.update(nvfp4_scalars(c.w13_scale_2, c.w2_scale_2, a13, a2))
     p = spec.prefix(layer)
     return {f"{p}.{k}": v.cpu() for k, v in t.items()}
 
@@ -132,14 +139,16 @@ def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, plac
         out.mkdir(parents=True)
         tick = progress or (lambda n, what: None)
         files: dict[str, dict] = {}
-        bytes_read = 0
+        scales: dict[int, tuple] = {}  # NVFP4 (a13, a2) per layer: read once, the same on every rank
+        if spec.quant_format is QuantFormat.NVFP4:
+            scales = {layer: adapter.input_scales(ckpt, spec, layer) for layer in spec.moe_layers}
         for r in plan.ranks:
             (out / r.folder).mkdir()
             weight_map = {}
             for f in r.files:
                 tensors = {}
                 for layer in f.layers:
-                    tensors.update(rank_layer_tensors(plan, ckpt, adapter, layer, r.experts, device))
+                    tensors.update(rank_layer_tensors(plan, ckpt, adapter, layer, r.experts, device, scales.get(layer)))
                     tick(0, f"{r.folder} layer {layer}")
                 files[f.path] = _write_file(out, f, tensors)
                 weight_map.update({k: Path(f.path).name for k in tensors})

@@ -91,6 +91,10 @@ class Plan:
         if self.spec.quant_format is QuantFormat.MXFP4:
             out += [OutTensor(f"{p}.gemm1_bias", "F32", (e, 2 * i)), OutTensor(f"{p}.gemm2_bias", "F32", (e, h))]
             out += [OutTensor(f"{p}.gemm1_{n}", "F32", (e,)) for n in ("alpha", "beta", "clamp_limit")]
+        else:
+            out += [OutTensor(f"{p}.{n}", "F32", (e,)) for n in
+                    ("output1_scale_scalar", "output1_scale_gate_scalar", "output2_scale_scalar")]
+            out.append(OutTensor(f"{p}.hidden_states_scale_global", "F32", ()))
         return out
 
     @property

@@ -103,7 +103,9 @@ def to_trtllm(c: CanonicalExperts, epilogue_tile_m: int = EPILOGUE_TILE_M) -> di
 def from_trtllm(t: dict[str, torch.Tensor], epilogue_tile_m: int = EPILOGUE_TILE_M) -> CanonicalExperts:
     """Read kernel tensors back the way the kernel does: inverse interleave, inverse permutation.
 
-    The inverse of :func:`to_trtllm` (padded canonical experts; scalars are not part of it).
+    The inverse of :func:`to_trtllm` (padded canonical experts). For NVFP4, also the inverse of
+    :func:`nvfp4_scalars`: ``w13_scale_2``, ``w2_scale_2`` and the input scales ``[E]`` float32
+    that the kernel scalars imply.
     """
     w1, w2 = t["gemm1_weights"], t["gemm2_weights"]
     two_i, h = w1.shape[1], w2.shape[1]
@@ -113,7 +115,7 @@ def from_trtllm(t: dict[str, torch.Tensor], epilogue_tile_m: int = EPILOGUE_TILE
     s1 = deinterleave_scales_128x4(s1.view(torch.uint8), s1.shape[1], s1.shape[2])
     s2 = deinterleave_scales_128x4(s2.view(torch.uint8), s2.shape[1], s2.shape[2])
     b1, b2 = t.get("gemm1_bias"), t.get("gemm2_bias")
-    return CanonicalExperts(
+    c = CanonicalExperts(
         w13=_gather_rows(w1.view(torch.uint8), inv1),
         w13_scale=_gather_rows(s1, inv1),
         w2=_gather_rows(w2.view(torch.uint8), inv2),
@@ -121,6 +123,14 @@ def from_trtllm(t: dict[str, torch.Tensor], epilogue_tile_m: int = EPILOGUE_TILE
         w13_bias=None if b1 is None else _gather_rows(b1, inv1),
         w2_bias=None if b2 is None else _gather_rows(b2, inv2),
     )
+    if "output1_scale_gate_scalar" not in t:
+        return c
+    # NVFP4: undo nvfp4_scalars. The kernel's dequantization factors are all that matter, so
+    # the effective weight_scale_2 is whatever the stored scalars imply (exact up to rounding).
+    gate, o1, o2 = t["output1_scale_gate_scalar"], t["output1_scale_scalar"], t["output2_scale_scalar"]
+    a13 = 1.0 / t["hidden_states_scale_global"].float()
+    a2 = gate / o1
+    return c.replace(w13_scale_2=gate / a13, w2_scale_2=o2 / a2, w13_input_scale=a13.expand_as(gate), w2_input_scale=a2)
 
 
 def swiglu_oai_scalars(num_experts: int, limit: float, alpha: float = GPT_OSS_SWIGLU_ALPHA,
@@ -128,3 +138,31 @@ def swiglu_oai_scalars(num_experts: int, limit: float, alpha: float = GPT_OSS_SW
     """``gemm1_alpha``, ``gemm1_beta``, ``gemm1_clamp_limit``: float32 ``[E]`` each (GPT-OSS)."""
     full = lambda v: torch.full((num_experts,), v, dtype=torch.float32)  # noqa: E731
     return {"gemm1_alpha": full(alpha), "gemm1_beta": full(beta), "gemm1_clamp_limit": full(limit)}
+
+
+def nvfp4_scalars(w13_scale_2: torch.Tensor, w2_scale_2: torch.Tensor, a13: torch.Tensor,
+                  a2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Kernel scalars of an NVFP4 x NVFP4 layer, as vLLM's ModelOpt NVFP4 trtllm path computes them.
+
+    Parameters
+    ----------
+    w13_scale_2, w2_scale_2 : ``[E]`` float32, the local experts' ``weight_scale_2``
+    a13, a2 : ``[]`` float32, maxima of the GEMM1 / GEMM2 ``input_scale`` over ALL experts of
+        the layer (so identical on every rank)
+
+    Returns
+    -------
+    ``output1_scale_gate_scalar = a13 * w13_scale_2``, ``output1_scale_scalar =
+    output1_scale_gate_scalar * (1 / a2)``, ``output2_scale_scalar = a2 * w2_scale_2`` (float32
+    ``[E]``), and ``hidden_states_scale_global = 1 / a13`` (float32 ``[]``), the global scale
+    to quantize the hidden states with. Multiplying by ``1 / a2`` (not dividing by a2) is
+    vLLM's ``g1_scale_c = w2_input_scale_quant * g1_alphas``; the two differ by at most one ulp.
+    """
+    a13, a2 = a13.float(), a2.float()
+    gate = (a13 * w13_scale_2.float()).float()
+    return {
+        "output1_scale_gate_scalar": gate,
+        "output1_scale_scalar": (1.0 / a2) * gate,
+        "output2_scale_scalar": (a2 * w2_scale_2.float()).float(),
+        "hidden_states_scale_global": (1.0 / a13).reshape(()),
+    }

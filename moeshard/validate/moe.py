@@ -7,10 +7,16 @@ from collections.abc import Callable
 import torch
 
 
-def route(logits: torch.Tensor, routing: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, routing: dict, correction_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert ids ``[T, k]`` int64 and weights ``[T, k]`` float32 from router logits ``[T, E]``.
 
-    Renormalize (GPT-OSS, routing_method_type 1): top-k of the logits, softmax over the k chosen.
+    - Renormalize (1, GPT-OSS): top-k of the logits, softmax over the k chosen.
+    - DeepSeekV3 (2): s = sigmoid(logits); choose with s + correction_bias: group score = sum of
+      the group's top-2, keep ``topk_group`` groups, top-k inside them; weights = s at the
+      chosen experts, divided by their sum (+1e-20) when ``norm_topk_prob``, times
+      ``routed_scaling_factor`` (transformers' DeepseekV3TopkRouter).
+    - Llama4 (3): top-1 logit, weight = sigmoid of it (applied to the expert's input).
     """
     method = routing["routing_method_type"]
     k = routing["top_k"]
@@ -18,6 +24,23 @@ def route(logits: torch.Tensor, routing: dict) -> tuple[torch.Tensor, torch.Tens
     if method == 1:
         vals, ids = torch.topk(logits, k, dim=-1)
         return ids, torch.softmax(vals, dim=-1)
+    if method == 2:
+        t, e = logits.shape
+        ng, kg = routing["n_group"], routing["topk_group"]
+        scores = logits.sigmoid()
+        choice = scores + (correction_bias.float() if correction_bias is not None else 0.0)
+        group_scores = choice.view(t, ng, e // ng).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=kg, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+        mask = mask.unsqueeze(-1).expand(t, ng, e // ng).reshape(t, e)
+        ids = torch.topk(choice.masked_fill(~mask, float("-inf")), k=k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        if routing.get("norm_topk_prob", True):
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, w * (routing.get("routed_scaling_factor") or 1.0)
+    if method == 3:
+        vals, ids = torch.topk(logits, 1, dim=-1)
+        return ids, torch.sigmoid(vals)
     raise ValueError(f"routing_method_type {method} is not supported")
 
 
@@ -40,7 +63,8 @@ def activate(h1: torch.Tensor, activation: dict, e: int) -> torch.Tensor:
 
 
 def moe_forward(x: torch.Tensor, expert: Callable[[int], tuple], num_local: int, ids: torch.Tensor,
-                weights: torch.Tensor, activation: dict, expert_offset: int = 0) -> torch.Tensor:
+                weights: torch.Tensor, activation: dict, expert_offset: int = 0,
+                weight_on_input: bool = False) -> torch.Tensor:
     """Sum over the routed experts that lie in ``[expert_offset, expert_offset + num_local)``.
 
     Parameters
@@ -50,6 +74,7 @@ def moe_forward(x: torch.Tensor, expert: Callable[[int], tuple], num_local: int,
         float32, w13 rows ``[up ; gate]``; called once per expert that has tokens, so that only
         one expert is dequantized at a time.
     ids, weights : ``[T, k]`` global expert ids and their routing weights
+    weight_on_input : scale the expert's input instead of its output (Llama-4)
 
     Returns
     -------
@@ -65,11 +90,12 @@ def moe_forward(x: torch.Tensor, expert: Callable[[int], tuple], num_local: int,
         if out is None:
             out = torch.zeros(x.shape[0], w2.shape[0], dtype=torch.float32, device=x.device)
         tok, slot = torch.where(local == e)
-        h1 = x[tok] @ w13.T
+        w = weights[tok, slot, None]
+        h1 = (x[tok] * w if weight_on_input else x[tok]) @ w13.T
         if b13 is not None:
             h1 = h1 + b13
         y = activate(h1, activation, e) @ w2.T
         if b2 is not None:
             y = y + b2
-        out.index_add_(0, tok, y * weights[tok, slot, None])
+        out.index_add_(0, tok, y if weight_on_input else y * w)
     return out if out is not None else torch.zeros_like(x)

@@ -14,7 +14,7 @@ from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.layouts.canonical import CanonicalExperts
 from moeshard.layouts.trtllm import from_trtllm
-from moeshard.quant import dequantize_mxfp4
+from moeshard.quant import dequantize_mxfp4, dequantize_nvfp4
 from moeshard.validate.moe import moe_forward, route
 
 #: Relative error (Frobenius) above which a rank fails. The decode backend runs the same fp32
@@ -56,13 +56,16 @@ class ValidationReport:
 
 
 def expert_fn(c: CanonicalExperts, fmt: QuantFormat, device: str) -> Callable[[int], tuple]:
-    """Local expert e of canonical experts -> float32 ``(w13, w2, b13, b2)`` on ``device``."""
-    if fmt is not QuantFormat.MXFP4:
-        raise MoeshardError(f"quant format {fmt.value} is not supported by validate yet")
+    """Local expert e of canonical experts -> float32 ``(w13, w2, b13, b2)`` on ``device``,
+    dequantized one expert at a time (MXFP4: UE8M0 scales; NVFP4: E4M3 x weight_scale_2)."""
 
     def get(e: int) -> tuple:
-        w13 = dequantize_mxfp4(c.w13[e].to(device), c.w13_scale[e].to(device))
-        w2 = dequantize_mxfp4(c.w2[e].to(device), c.w2_scale[e].to(device))
+        if fmt is QuantFormat.MXFP4:
+            w13 = dequantize_mxfp4(c.w13[e].to(device), c.w13_scale[e].to(device))
+            w2 = dequantize_mxfp4(c.w2[e].to(device), c.w2_scale[e].to(device))
+        else:
+            w13 = dequantize_nvfp4(c.w13[e].to(device), c.w13_scale[e].to(device), c.w13_scale_2[e].to(device))
+            w2 = dequantize_nvfp4(c.w2[e].to(device), c.w2_scale[e].to(device), c.w2_scale_2[e].to(device))
         b13 = None if c.w13_bias is None else c.w13_bias[e].to(device)
         b2 = None if c.w2_bias is None else c.w2_bias[e].to(device)
         return w13, w2, b13, b2
@@ -128,12 +131,12 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
             entry = next(e for e in m["moe_layers"] if e["layer"] == layer)
             g = torch.Generator().manual_seed(seed + layer)
             x = torch.randn(tokens, h, generator=g).to(device)
-            wr = common.read(spec.router["weight"].format(layer=layer)).float().to(device)
-            logits = x @ wr.T
-            bias_name = spec.router.get("bias", "").format(layer=layer)
-            if bias_name in common.tensors:
-                logits = logits + common.read(bias_name).float().to(device)
-            ids, weights = route(logits, entry["kernel_args"])
+            router = {k: common.read(v.format(layer=layer)).float().to(device) for k, v in spec.router.items()}
+            logits = x @ router["weight"].T
+            if "bias" in router:
+                logits = logits + router["bias"]
+            ids, weights = route(logits, entry["kernel_args"], router.get("correction_bias"))
+            on_input = bool(entry["kernel_args"].get("apply_weight_on_input"))
             x_pad = torch.nn.functional.pad(x, (0, h_pad - h))
             every = sorted(ranks) == all_ranks and len(all_ranks) > 1
             sum_got = torch.zeros(tokens, h, device=device)
@@ -142,13 +145,14 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                 e0, n = info["local_expert_offset"], info["local_num_experts"]
                 tick(f"rank {r} layer {layer}")
                 ref = adapter.read_experts(ckpt, spec, layer, e0, e0 + n)
-                want = moe_forward(x, expert_fn(ref, fmt, device), n, ids, weights, spec.activation, e0)
+                want = moe_forward(x, expert_fn(ref, fmt, device), n, ids, weights, spec.activation, e0, on_input)
                 with Checkpoint(out / info["folder"], with_config=False) as rf:
                     kt = _rank_tensors(rf, entry["prefix"])
                 act = dict(spec.activation)
                 if act["type"] == "swiglu_oai":
                     act.update(alpha=kt["gemm1_alpha"], beta=kt["gemm1_beta"], limit=kt["gemm1_clamp_limit"])
-                got_full = moe_forward(x_pad, expert_fn(from_trtllm(kt), fmt, device), n, ids, weights, act, e0)
+                got_full = moe_forward(x_pad, expert_fn(from_trtllm(kt), fmt, device), n, ids, weights, act, e0,
+                                       on_input)
                 got = got_full[:, :h]
                 max_abs, rel = _compare(got, want)
                 pad_leak = got_full[:, h:].abs().max().item() if h_pad > h else 0.0
@@ -161,7 +165,8 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
             if every:
                 tick(f"all experts layer {layer}")
                 full = adapter.read_experts(ckpt, spec, layer, 0, spec.num_experts)
-                want = moe_forward(x, expert_fn(full, fmt, device), spec.num_experts, ids, weights, spec.activation)
+                want = moe_forward(x, expert_fn(full, fmt, device), spec.num_experts, ids, weights, spec.activation, 0,
+                                   on_input)
                 max_abs, rel = _compare(sum_got, want)
                 ok = rel <= DECODE_TOLERANCE
                 report.rows.append(Row("sum", layer, report.backend, max_abs, rel, ok,

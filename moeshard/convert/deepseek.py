@@ -1,0 +1,133 @@
+"""nvidia/DeepSeek-R1-FP4 (ModelOpt NVFP4): one tensor per expert and projection."""
+
+from __future__ import annotations
+
+import torch
+
+from moeshard.convert.families import Family, ModelSpec, QuantFormat
+from moeshard.convert.source import Checkpoint
+from moeshard.errors import MoeshardError
+from moeshard.layouts.canonical import CanonicalExperts
+
+PREFIX = "model.layers.{layer}.mlp.experts"
+#: Per expert M and projection P in (gate_proj, up_proj, down_proj), nvidia/DeepSeek-R1-FP4
+#: model-000NN-of-000163.safetensors (ModelOpt per-Linear export): leaf -> (dtype, shape(N, K)).
+LINEAR_TENSORS = {
+    "weight": ("U8", lambda n, k: (n, k // 2)),  # packed E2M1, low nibble = even k
+    "weight_scale": ("F8_E4M3", lambda n, k: (n, k // 16)),  # row-major block scales
+    "weight_scale_2": ("F32", lambda n, k: ()),  # per-tensor scale (amax / (6 * 448))
+    "input_scale": ("F32", lambda n, k: ()),  # activation scale from calibration
+}
+ROUTER = {"weight": "model.layers.{layer}.mlp.gate.weight",
+          "correction_bias": "model.layers.{layer}.mlp.gate.e_score_correction_bias"}
+ROUTING_DEEPSEEK_V3 = 2  # flashinfer RoutingMethodType.DeepSeekV3
+
+
+def nvfp4_quant_algo(config: dict, quant_config: dict | None) -> str | None:
+    """``NVFP4`` from hf_quant_config.json (legacy ModelOpt) or config.json's modelopt quantization_config."""
+    if quant_config is not None:
+        return (quant_config.get("quantization") or {}).get("quant_algo")
+    q = config.get("quantization_config") or {}
+    return q.get("quant_algo") if q.get("quant_method") == "modelopt" else None
+
+
+def check_group_size(ckpt: Checkpoint) -> None:
+    q = (ckpt.quant_config or {}).get("quantization") or {}
+    gs = q.get("group_size", 16)
+    if gs != 16:
+        raise MoeshardError(f"{ckpt.root / 'hf_quant_config.json'}: group_size: expected 16 (NVFP4), found {gs!r}")
+
+
+def positive_ints(cfg: dict, where, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+            raise MoeshardError(f"{where}: {key}: expected a positive integer, found {cfg.get(key)!r}")
+
+
+def read_scalar(ckpt: Checkpoint, name: str) -> torch.Tensor:
+    """A per-tensor F32 scale (``[]`` as ModelOpt writes it, ``[1]`` tolerated) as a 0-dim tensor."""
+    t = ckpt.read(name).float().reshape(-1)
+    if t.numel() != 1:
+        raise MoeshardError(f"{ckpt.info(name).file}: {name}: expected one value, found {t.numel()}")
+    if not torch.isfinite(t).all() or t.item() <= 0:
+        raise MoeshardError(f"{ckpt.info(name).file}: {name}: expected a positive finite scale, found {t.item()}")
+    return t[0]
+
+
+class DeepSeekAdapter:
+    family = Family.DEEPSEEK
+
+    def detect(self, config: dict, quant_config: dict | None) -> bool:
+        return config.get("model_type") == "deepseek_v3" and nvfp4_quant_algo(config, quant_config) == "NVFP4"
+
+    def spec(self, ckpt: Checkpoint) -> ModelSpec:
+        cfg, where = ckpt.config, ckpt.root / "config.json"
+        check_group_size(ckpt)
+        positive_ints(cfg, where, ("n_routed_experts", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
+                                   "num_experts_per_tok", "n_group", "topk_group"))
+        e, h, i = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+        if h % 16 or i % 16:
+            raise MoeshardError(f"{where}: hidden_size {h}, moe_intermediate_size {i}: expected multiples of 16")
+        first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
+        layers = tuple(x for x in range(cfg["num_hidden_layers"]) if x >= first and x % freq == 0)
+        if not layers:
+            raise MoeshardError(f"{where}: no MoE layer (num_hidden_layers {cfg['num_hidden_layers']}, "
+                                f"first_k_dense_replace {first})")
+        names = set()
+        for layer in layers:
+            p = PREFIX.format(layer=layer)
+            for x in range(e):
+                for proj, (n, k) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+                    for leaf, (dtype, shape) in LINEAR_TENSORS.items():
+                        name = f"{p}.{x}.{proj}.{leaf}"
+                        t = ckpt.info(name)
+                        want = shape(n, k)
+                        if t.dtype != dtype or (t.shape != want and not (want == () and t.shape == (1,))):
+                            ckpt.expect(name, dtype, want)
+                        names.add(name)
+            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h))
+            bias = ckpt.info(ROUTER["correction_bias"].format(layer=layer))
+            if bias.shape != (e,):
+                raise MoeshardError(f"{bias.file}: {ROUTER['correction_bias'].format(layer=layer)}: "
+                                    f"expected shape [{e}], found {list(bias.shape)}")
+        return ModelSpec(
+            family=self.family, quant_format=QuantFormat.NVFP4, num_experts=e, hidden_size=h, intermediate_size=i,
+            moe_layers=layers, expert_prefix=PREFIX,
+            routing={"routing_method_type": ROUTING_DEEPSEEK_V3, "top_k": cfg["num_experts_per_tok"],
+                     "n_group": cfg["n_group"], "topk_group": cfg["topk_group"],
+                     "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+                     "norm_topk_prob": bool(cfg.get("norm_topk_prob", True))},
+            activation={"type": "swiglu", "activation_type": 3},
+            router=dict(ROUTER), expert_tensors=frozenset(names))
+
+    def read_experts(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int) -> CanonicalExperts:
+        p = spec.prefix(layer)
+        w13, s13, w2, s2, g2, d2, gi, di = [], [], [], [], [], [], [], []
+        for x in range(start, stop):
+            rd = lambda proj, leaf: ckpt.read(f"{p}.{x}.{proj}.{leaf}")  # noqa: E731
+            sc = lambda proj, leaf: read_scalar(ckpt, f"{p}.{x}.{proj}.{leaf}")  # noqa: E731
+            gate_s2, up_s2 = sc("gate_proj", "weight_scale_2"), sc("up_proj", "weight_scale_2")
+            if gate_s2 != up_s2:
+                raise MoeshardError(
+                    f"{ckpt.info(f'{p}.{x}.up_proj.weight_scale_2').file}: {p}.{x}.up_proj.weight_scale_2: expected "
+                    f"the gate_proj value {gate_s2.item()!r} (the fused GEMM1 has one weight_scale_2), found "
+                    f"{up_s2.item()!r}")
+            w13.append(torch.cat((rd("up_proj", "weight"), rd("gate_proj", "weight"))))
+            s13.append(torch.cat((rd("up_proj", "weight_scale"), rd("gate_proj", "weight_scale"))).view(torch.uint8))
+            w2.append(rd("down_proj", "weight"))
+            s2.append(rd("down_proj", "weight_scale").view(torch.uint8))
+            g2.append(gate_s2)
+            d2.append(sc("down_proj", "weight_scale_2"))
+            gi.append(torch.maximum(sc("gate_proj", "input_scale"), sc("up_proj", "input_scale")))
+            di.append(sc("down_proj", "input_scale"))
+        return CanonicalExperts(w13=torch.stack(w13), w13_scale=torch.stack(s13), w2=torch.stack(w2),
+                                w2_scale=torch.stack(s2), w13_scale_2=torch.stack(g2), w2_scale_2=torch.stack(d2),
+                                w13_input_scale=torch.stack(gi), w2_input_scale=torch.stack(di))
+
+    def input_scales(self, ckpt: Checkpoint, spec: ModelSpec, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a13, a2)``: the layer's maxima of GEMM1 and GEMM2 ``input_scale`` over all experts."""
+        p = spec.prefix(layer)
+        a13 = max(read_scalar(ckpt, f"{p}.{x}.{proj}.input_scale") for x in range(spec.num_experts)
+                  for proj in ("gate_proj", "up_proj"))
+        a2 = max(read_scalar(ckpt, f"{p}.{x}.down_proj.input_scale") for x in range(spec.num_experts))
+        return a13, a2

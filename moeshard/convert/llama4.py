@@ -1,0 +1,97 @@
+"""nvidia/Llama-4-Scout-17B-16E-Instruct-FP4 (ModelOpt NVFP4): experts fused across experts.
+
+ModelOpt exports ``Llama4TextExperts`` in transformers' bmm layout ``[E, K, N]``: it quantizes
+the ``[E, N, K]`` transpose (blocks along K, the input dim) and stores weight and block scale
+transposed back, with one ``weight_scale_2`` and one ``input_scale`` for all experts. Gate is
+the first half of the 2I axis, up the second (transformers ``gate_up.chunk(2, -1)``; vLLM
+``chunk(2, dim=-2)`` after its transpose; TRT-LLM ``chunk(2, dim=0)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeshard.convert.deepseek import check_group_size, nvfp4_quant_algo, positive_ints, read_scalar
+from moeshard.convert.families import Family, ModelSpec, QuantFormat
+from moeshard.convert.source import Checkpoint
+from moeshard.errors import MoeshardError
+from moeshard.layouts.canonical import CanonicalExperts
+
+PREFIX = "language_model.model.layers.{layer}.feed_forward.experts"
+#: nvidia/Llama-4-Scout-17B-16E-Instruct-FP4, per MoE layer: leaf -> (dtype, shape(E, H, I)).
+EXPERT_TENSORS = {
+    "gate_up_proj": ("U8", lambda e, h, i: (e, h // 2, 2 * i)),  # [E, K/2, N], N = [gate ; up]
+    "gate_up_proj_weight_scale": ("F8_E4M3", lambda e, h, i: (e, h // 16, 2 * i)),
+    "gate_up_proj_weight_scale_2": ("F32", lambda e, h, i: ()),  # one for all experts
+    "gate_up_proj_input_scale": ("F32", lambda e, h, i: ()),
+    "down_proj": ("U8", lambda e, h, i: (e, i // 2, h)),
+    "down_proj_weight_scale": ("F8_E4M3", lambda e, h, i: (e, i // 16, h)),
+    "down_proj_weight_scale_2": ("F32", lambda e, h, i: ()),
+    "down_proj_input_scale": ("F32", lambda e, h, i: ()),
+}
+ROUTER = {"weight": "language_model.model.layers.{layer}.feed_forward.router.weight"}
+ROUTING_LLAMA4 = 3  # flashinfer RoutingMethodType.Llama4: Top1 -> Sigmoid
+
+
+def _gate_up_to_canonical(t: torch.Tensor) -> torch.Tensor:
+    """``[E, K', 2I]`` (N = [gate ; up]) -> ``[E, 2I, K']`` rows ``[up ; gate]``, contiguous."""
+    i = t.shape[2] // 2
+    return torch.cat((t[:, :, i:], t[:, :, :i]), dim=2).transpose(1, 2).contiguous()
+
+
+class Llama4Adapter:
+    family = Family.LLAMA4
+
+    def detect(self, config: dict, quant_config: dict | None) -> bool:
+        return config.get("model_type") == "llama4" and nvfp4_quant_algo(config, quant_config) == "NVFP4"
+
+    def spec(self, ckpt: Checkpoint) -> ModelSpec:
+        where = ckpt.root / "config.json"
+        cfg = ckpt.config.get("text_config")
+        if not isinstance(cfg, dict):
+            raise MoeshardError(f"{where}: text_config: expected an object, found {type(cfg).__name__}")
+        check_group_size(ckpt)
+        positive_ints(cfg, f"{where}: text_config", ("num_local_experts", "hidden_size", "intermediate_size",
+                                                      "num_hidden_layers", "num_experts_per_tok"))
+        e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+        if cfg["num_experts_per_tok"] != 1:
+            raise MoeshardError(f"{where}: text_config.num_experts_per_tok: expected 1 (Llama-4 routing is top-1), "
+                                f"found {cfg['num_experts_per_tok']}")
+        step = cfg.get("interleave_moe_layer_step", 1)
+        layers = tuple(cfg.get("moe_layers") or range(step - 1, cfg["num_hidden_layers"], step))
+        names = set()
+        for layer in layers:
+            for leaf, (dtype, shape) in EXPERT_TENSORS.items():
+                name = f"{PREFIX.format(layer=layer)}.{leaf}"
+                t, want = ckpt.info(name), shape(e, h, i)
+                if t.dtype != dtype or (t.shape != want and not (want == () and t.shape == (1,))):
+                    ckpt.expect(name, dtype, want)
+                names.add(name)
+            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h))
+        return ModelSpec(
+            family=self.family, quant_format=QuantFormat.NVFP4, num_experts=e, hidden_size=h, intermediate_size=i,
+            moe_layers=layers, expert_prefix=PREFIX,
+            routing={"routing_method_type": ROUTING_LLAMA4, "top_k": 1, "n_group": None, "topk_group": None,
+                     "routed_scaling_factor": None, "apply_weight_on_input": True},
+            activation={"type": "swiglu", "activation_type": 3},
+            router=dict(ROUTER), expert_tensors=frozenset(names))
+
+    def read_experts(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int) -> CanonicalExperts:
+        p = spec.prefix(layer)
+        rd = lambda leaf: ckpt.read(f"{p}.{leaf}", start, stop)  # noqa: E731
+        n = stop - start
+        s13 = read_scalar(ckpt, f"{p}.gate_up_proj_weight_scale_2")
+        s2 = read_scalar(ckpt, f"{p}.down_proj_weight_scale_2")
+        a13, a2 = self.input_scales(ckpt, spec, layer)
+        return CanonicalExperts(
+            w13=_gate_up_to_canonical(rd("gate_up_proj")),
+            w13_scale=_gate_up_to_canonical(rd("gate_up_proj_weight_scale").view(torch.uint8)),
+            w2=rd("down_proj").transpose(1, 2).contiguous(),
+            w2_scale=rd("down_proj_weight_scale").view(torch.uint8).transpose(1, 2).contiguous(),
+            w13_scale_2=s13.expand(n).clone(), w2_scale_2=s2.expand(n).clone(),
+            w13_input_scale=a13.expand(n).clone(), w2_input_scale=a2.expand(n).clone())
+
+    def input_scales(self, ckpt: Checkpoint, spec: ModelSpec, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a13, a2)``: one input_scale per fused expert tensor, shared by all experts."""
+        p = spec.prefix(layer)
+        return read_scalar(ckpt, f"{p}.gate_up_proj_input_scale"), read_scalar(ckpt, f"{p}.down_proj_input_scale")
