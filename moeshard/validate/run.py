@@ -12,14 +12,16 @@ from moeshard.convert.families import QuantFormat, detect
 from moeshard.convert.manifest import read_manifest
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
-from moeshard.layouts.canonical import CanonicalExperts
-from moeshard.layouts.trtllm import from_trtllm
+from moeshard.layouts.canonical import CanonicalExperts, pad_experts
+from moeshard.layouts.trtllm import from_trtllm, nvfp4_scalars, swiglu_oai_scalars, to_trtllm
 from moeshard.quant import dequantize_mxfp4, dequantize_nvfp4
+from moeshard.validate.backends import run_trtllm, select_backend, trtllm_args
 from moeshard.validate.moe import moe_forward, route
 
-#: Relative error (Frobenius) above which a rank fails. The decode backend runs the same fp32
-#: math as the reference on the same dequantized values; only summation order differs.
-DECODE_TOLERANCE = 1e-5
+#: Relative error (Frobenius) above which a check fails. decode runs the same fp32 math as the
+#: reference on the same dequantized values (only summation order differs); trtllm-gen also
+#: quantizes its GEMM1 output and accumulates in lower precision.
+TOLERANCE = {"decode": 1e-5, "trtllm-gen": 5e-2}
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Row:
     rel_error: float
     passed: bool
     detail: str = ""
+    worst_expert: int | None = None
 
 
 @dataclass
@@ -73,18 +76,50 @@ def expert_fn(c: CanonicalExperts, fmt: QuantFormat, device: str) -> Callable[[i
     return get
 
 
-def _compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+def _to(c: CanonicalExperts, device: str) -> CanonicalExperts:
+    return c.replace(**{k: v.to(device) for k, v in c.__dict__.items() if isinstance(v, torch.Tensor)})
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     diff = (got - want).float()
     denom = want.float().norm().item()
-    rel = diff.norm().item() / denom if denom > 0 else diff.norm().item()
-    return diff.abs().max().item(), rel
+    return diff.abs().max().item(), (diff.norm().item() / denom if denom > 0 else diff.norm().item())
 
 
-def _rank_tensors(folder: Checkpoint, prefix: str) -> dict[str, torch.Tensor]:
-    names = [n for n in folder.tensors if n.startswith(prefix + ".")]
-    if not names:
-        raise MoeshardError(f"{folder.root}: no tensors under {prefix}")
-    return {n[len(prefix) + 1:]: folder.read(n) for n in names}
+def _padding_leaks(c: CanonicalExperts, h: int, i: int) -> list[str]:
+    """Names of the kernel tensors whose padding (beyond the source's H and I) is not zero."""
+    ip = c.intermediate_size
+    sf = c.sf_vec_size
+    leaks = []
+    for name, t, rows, cols in (("gemm1_weights", c.w13, i, h // 2), ("gemm1_weights_scale", c.w13_scale, i, h // sf)):
+        for half in (t[:, :ip], t[:, ip:]):
+            if half[:, rows:].any() or half[:, :, cols:].any():
+                leaks.append(name)
+                break
+    for name, t, rows, cols in (("gemm2_weights", c.w2, h, i // 2), ("gemm2_weights_scale", c.w2_scale, h, i // sf)):
+        if t[:, rows:].any() or t[:, :, cols:].any():
+            leaks.append(name)
+    if c.w13_bias is not None and (c.w13_bias[:, i:ip].any() or c.w13_bias[:, ip + i:].any()):
+        leaks.append("gemm1_bias")
+    if c.w2_bias is not None and c.w2_bias[:, h:].any():
+        leaks.append("gemm2_bias")
+    return leaks
+
+
+def _diagnose(kt: dict[str, torch.Tensor], want: dict[str, torch.Tensor], e0: int) -> str:
+    """Which stored tensors differ from the conversion of the source, and from which expert on."""
+    bad = []
+    for name, t in sorted(want.items()):
+        got = kt.get(name)
+        if got is None or got.shape != t.shape:
+            bad.append(f"{name} (missing or shape {None if got is None else list(got.shape)})")
+            continue
+        a, b = got.reshape(got.shape[0] if got.dim() else 1, -1), t.reshape(t.shape[0] if t.dim() else 1, -1)
+        differ = (a.view(torch.uint8) != b.view(torch.uint8)).any(dim=-1) if a.dtype.itemsize == 1 else (a != b).any(-1)
+        if differ.any():
+            first = int(differ.nonzero()[0])
+            bad.append(f"{name} (expert {e0 + first})" if got.dim() else name)
+    return ", ".join(bad)
 
 
 def validate(out: Path, *, source: Path | None = None, layers: list[int] | None = None,
@@ -92,20 +127,24 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
              device: str = "cpu", progress: Callable[[str], None] | None = None) -> ValidationReport:
     """Compare every chosen (rank, layer) of artifact ``out`` with the source checkpoint.
 
-    Per layer: hidden states ``[tokens, H]`` float32 drawn from ``seed + layer``, routed with the
-    source router; each rank's partial output (its experts only) from the artifact against the
-    same experts dequantized from the source; when every rank is chosen, the sum over ranks
-    against the full layer. Returns a report; ``report.passed`` is False on any failure.
+    Per layer, hidden states ``[tokens, H]`` float32 are drawn from ``seed + layer`` and routed
+    with the source router. Per rank:
+
+    - decode: every local expert on every token (so that no expert escapes for lack of routed
+      tokens), the rank's routed partial output, and zero padding, from the artifact read back
+      the way the kernel reads it, against the same experts dequantized from the source;
+    - trtllm-gen: the kernel's partial output for the rank against the reference on the same
+      (bf16 or NVFP4-quantized) activations.
+
+    When every rank is chosen, the sum of the partial outputs is compared with the full layer
+    computed from all source experts. A failing rank is named with layer, tensor and expert.
     """
     out = Path(out)
     m = read_manifest(out)
     src = Path(source) if source is not None else Path(m["source"]["path"])
-    if backend not in ("auto", "decode"):
-        raise MoeshardError(f"--backend {backend}: expected auto or decode")
-    report = ValidationReport(str(out), str(src), "decode", device, tokens, seed, DECODE_TOLERANCE)
-    if backend == "auto":
-        report.notes.append("backend auto: the trtllm-gen kernel is not used; decode reads the artifact "
-                            "the way the kernel does and runs the same MoE math")
+    backend, note = select_backend(backend, device)
+    tol = TOLERANCE[backend]
+    report = ValidationReport(str(out), str(src), backend, device, tokens, seed, tol, [note] if note else [])
     all_layers = [entry["layer"] for entry in m["moe_layers"]]
     layers = all_layers if layers is None else layers
     all_ranks = [r["rank"] for r in m["ranks"]]
@@ -124,55 +163,89 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
         if spec.family.value != m["family"]:
             raise MoeshardError(f"{src}: source family {spec.family.value} but {out} was made from {m['family']}")
         fmt = spec.quant_format
-        h = spec.hidden_size
-        h_pad = m["padding"]["hidden_size_padded"]
+        h, i = spec.hidden_size, spec.intermediate_size
+        h_pad, i_pad = m["padding"]["hidden_size_padded"], m["padding"]["intermediate_size_padded"]
         rank_info = {r["rank"]: r for r in m["ranks"]}
         for layer in layers:
             entry = next(e for e in m["moe_layers"] if e["layer"] == layer)
-            g = torch.Generator().manual_seed(seed + layer)
-            x = torch.randn(tokens, h, generator=g).to(device)
+            args = entry["kernel_args"]
+            x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(seed + layer)).to(device)
             router = {k: common.read(v.format(layer=layer)).float().to(device) for k, v in spec.router.items()}
             logits = x @ router["weight"].T
             if "bias" in router:
                 logits = logits + router["bias"]
-            ids, weights = route(logits, entry["kernel_args"], router.get("correction_bias"))
-            on_input = bool(entry["kernel_args"].get("apply_weight_on_input"))
+            ids, weights = route(logits, args, router.get("correction_bias"))
+            on_input = bool(args.get("apply_weight_on_input"))
             x_pad = torch.nn.functional.pad(x, (0, h_pad - h))
-            every = sorted(ranks) == all_ranks and len(all_ranks) > 1
+            scales = adapter.input_scales(ckpt, spec, layer) if fmt is QuantFormat.NVFP4 else None
             sum_got = torch.zeros(tokens, h, device=device)
+            x_ref = x  # the activations the reference sees (the kernel's, for trtllm-gen)
             for r in ranks:
                 info = rank_info[r]
                 e0, n = info["local_expert_offset"], info["local_num_experts"]
-                tick(f"rank {r} layer {layer}")
-                ref = adapter.read_experts(ckpt, spec, layer, e0, e0 + n)
-                want = moe_forward(x, expert_fn(ref, fmt, device), n, ids, weights, spec.activation, e0, on_input)
-                with Checkpoint(out / info["folder"], with_config=False) as rf:
-                    kt = _rank_tensors(rf, entry["prefix"])
-                act = dict(spec.activation)
-                if act["type"] == "swiglu_oai":
-                    act.update(alpha=kt["gemm1_alpha"], beta=kt["gemm1_beta"], limit=kt["gemm1_clamp_limit"])
-                got_full = moe_forward(x_pad, expert_fn(from_trtllm(kt), fmt, device), n, ids, weights, act, e0,
-                                       on_input)
-                got = got_full[:, :h]
-                max_abs, rel = _compare(got, want)
-                pad_leak = got_full[:, h:].abs().max().item() if h_pad > h else 0.0
-                ok = rel <= DECODE_TOLERANCE and pad_leak == 0.0
                 where = f"{info['folder']}: {entry['prefix']}"
-                detail = ("" if ok else f"{where}: padded output columns non-zero ({pad_leak:.3g})" if pad_leak
-                          else f"{where}: output differs from the source (relative error {rel:.3g} > {DECODE_TOLERANCE:g})")
-                report.rows.append(Row(r, layer, report.backend, max_abs, rel, ok, detail))
+                tick(f"rank {r} layer {layer}")
+                ref = _to(adapter.read_experts(ckpt, spec, layer, e0, e0 + n), device)
+                with Checkpoint(out / info["folder"], with_config=False) as rf:
+                    names = [k for k in rf.tensors if k.startswith(entry["prefix"] + ".")]
+                    if not names:
+                        raise MoeshardError(f"{rf.root}: no tensors under {entry['prefix']}")
+                    kt = {k[len(entry["prefix"]) + 1:]: rf.read(k).to(device) for k in names}
+                checks: list[tuple[float, float, int | None]] = []
+                if backend == "trtllm-gen":
+                    kargs, x_used = trtllm_args(kt, args, info, x_pad, logits, router.get("correction_bias"))
+                    x_ref = x_used[:, :h]
+                    got = run_trtllm(kargs)[:, :h]
+                    want = moe_forward(x_ref, expert_fn(ref, fmt, device), n, ids, weights, spec.activation, e0, on_input)
+                    checks.append((*_rel(got, want), None))
+                    leaks: list[str] = []
+                else:
+                    art = from_trtllm(kt)
+                    act = dict(spec.activation)
+                    if act["type"] == "swiglu_oai":
+                        act.update(alpha=kt["gemm1_alpha"], beta=kt["gemm1_beta"], limit=kt["gemm1_clamp_limit"])
+                    leaks = _padding_leaks(art, h, i)
+                    src_fn, art_fn = expert_fn(ref, fmt, device), expert_fn(art, fmt, device)
+                    every = torch.arange(e0, e0 + n, device=device).repeat(tokens, 1)
+                    ones = torch.ones(tokens, n, device=device)
+                    for e in range(n):  # each expert alone, on every token
+                        one = every[:, e:e + 1]
+                        w1 = ones[:, e:e + 1]
+                        want_e = moe_forward(x, src_fn, n, one, w1, spec.activation, e0)
+                        got_e = moe_forward(x_pad, art_fn, n, one, w1, act, e0)[:, :h]
+                        checks.append((*_rel(got_e, want_e), e0 + e))
+                    want = moe_forward(x, src_fn, n, ids, weights, spec.activation, e0, on_input)
+                    got = moe_forward(x_pad, art_fn, n, ids, weights, act, e0, on_input)[:, :h]
+                    checks.append((*_rel(got, want), None))
+                max_abs = max(c[0] for c in checks)
+                rel = max(c[1] for c in checks)
+                # Name the worst single expert when one fails on its own, else the routed output.
+                worst = max(checks, key=lambda c: (c[2] is not None and c[1] > tol, c[1]))
+                ok = rel <= tol and not leaks
+                detail = ""
+                if not ok:
+                    c = pad_experts(ref, h_pad, i_pad)
+                    want_t = to_trtllm(c)
+                    if fmt is QuantFormat.NVFP4:
+                        want_t.update(nvfp4_scalars(c.w13_scale_2, c.w2_scale_2, scales[0].to(device), scales[1].to(device)))
+                    if spec.activation["type"] == "swiglu_oai":
+                        a = spec.activation
+                        want_t.update({k: v.to(device) for k, v in swiglu_oai_scalars(n, a["limit"], a["alpha"], a["beta"]).items()})
+                    bad = _diagnose(kt, want_t, e0)
+                    what = (f"padding not zero in {', '.join(leaks)}" if leaks else
+                            f"relative error {worst[1]:.3g} > {tol:g}" +
+                            (f" at expert {worst[2]}" if worst[2] is not None else " on the routed output"))
+                    detail = f"{where}: {what}" + (f"; differs from the converted source: {bad}" if bad else "")
+                report.rows.append(Row(r, layer, backend, max_abs, rel, ok, detail, None if ok else worst[2]))
                 sum_got += got
-            if every:
+            if sorted(ranks) == all_ranks and len(all_ranks) > 1:
                 tick(f"all experts layer {layer}")
-                full = adapter.read_experts(ckpt, spec, layer, 0, spec.num_experts)
-                want = moe_forward(x, expert_fn(full, fmt, device), spec.num_experts, ids, weights, spec.activation, 0,
-                                   on_input)
-                max_abs, rel = _compare(sum_got, want)
-                ok = rel <= DECODE_TOLERANCE
-                report.rows.append(Row("sum", layer, report.backend, max_abs, rel, ok,
-                                       "" if ok else f"layer {layer}: sum over ranks differs from the full layer"))
+                full = _to(adapter.read_experts(ckpt, spec, layer, 0, spec.num_experts), device)
+                want = moe_forward(x_ref, expert_fn(full, fmt, device), spec.num_experts, ids, weights,
+                                   spec.activation, 0, on_input)
+                max_abs, rel = _rel(sum_got, want)
+                ok = rel <= tol
+                report.rows.append(Row("sum", layer, backend, max_abs, rel, ok,
+                                       "" if ok else f"layer {layer}: sum over ranks differs from the full layer "
+                                       f"(relative error {rel:.3g} > {tol:g})"))
     return report
-
-
-def _dev(t: torch.Tensor | None, device: str) -> torch.Tensor | None:
-    return None if t is None else t.to(device)

@@ -1,0 +1,130 @@
+"""validate catches faults: one byte of a weight, one scale, one permutation, one kernel scalar,
+two ranks' files swapped; each fails and names the rank, the layer and the tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from moeshard.cli import app
+from moeshard.convert.manifest import read_manifest
+from moeshard.errors import MoeshardError
+from moeshard.validate import validate
+from moeshard.validate.backends import select_backend
+
+FAMILIES = ["gpt_oss_tiny", "deepseek_tiny", "llama4_tiny"]
+
+
+def corrupt(out, rank: int, leaf: str, fn) -> str:
+    """Apply fn to tensor ``leaf`` of the first MoE layer in rank ``rank``'s files; returns the prefix."""
+    m = read_manifest(out)
+    prefix = m["moe_layers"][0]["prefix"]
+    path = out / m["ranks"][rank]["files"][0]["path"]
+    t = load_file(path)
+    name = f"{prefix}.{leaf}"
+    t[name] = fn(t[name].clone())
+    save_file(t, path)
+    return prefix
+
+
+def fresh(artifacts, tmp_path, family, ep=2):
+    out = tmp_path / "art"
+    shutil.copytree(artifacts(family, ep), out)
+    return out
+
+
+def flip_weight_byte(t):
+    t.view(torch.uint8)[1, 0, 0] ^= 0x11  # expert 1, stored row 0 = canonical up row 0, column 0
+    return t
+
+
+def bump_scale(t):
+    t.view(torch.uint8)[1].view(-1)[0] += 8  # expert 1, interleaved offset 0 = gemm2 row 0, block 0
+    return t
+
+
+def swap_rows(t):
+    t[1, [0, 1]] = t[1, [1, 0]]  # stored rows 0 and 1 (canonical up rows 0 and 2) of expert 1
+    return t
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("leaf,fn", [("gemm1_weights", flip_weight_byte), ("gemm2_weights_scale", bump_scale),
+                                     ("gemm1_weights", swap_rows)], ids=["weight-byte", "scale", "permutation"])
+def test_corrupted_tensor_fails_and_is_named(artifacts, tmp_path, family, leaf, fn):
+    out = fresh(artifacts, tmp_path, family)
+    prefix = corrupt(out, 1, leaf, fn)
+    report = validate(out)
+    bad = [r for r in report.rows if not r.passed]
+    assert not report.passed and bad
+    assert bad[0].rank == 1 and bad[0].layer == read_manifest(out)["moe_layers"][0]["layer"]
+    assert f"rank-00001: {prefix}" in bad[0].detail and f"{leaf} (expert " in bad[0].detail, bad[0].detail
+    expert1 = read_manifest(out)["ranks"][1]["experts"][1]
+    assert bad[0].worst_expert == expert1 and f"{leaf} (expert {expert1})" in bad[0].detail
+    assert all(r.passed for r in report.rows if r.rank == 0)
+
+
+@pytest.mark.parametrize("family,leaf", [("gpt_oss_tiny", "gemm1_alpha"), ("deepseek_tiny", "output2_scale_scalar"),
+                                         ("llama4_tiny", "output1_scale_gate_scalar"),
+                                         ("deepseek_tiny", "hidden_states_scale_global")])
+def test_corrupted_kernel_scalar_fails(artifacts, tmp_path, family, leaf):
+    out = fresh(artifacts, tmp_path, family)
+
+    def change(t):
+        if t.dim() == 0:
+            return t * 1.5
+        t[1] = t[1] * 1.5
+        return t
+
+    prefix = corrupt(out, 0, leaf, change)
+    report = validate(out)
+    bad = [r for r in report.rows if not r.passed]
+    assert bad and bad[0].rank == 0 and f"rank-00000: {prefix}" in bad[0].detail and leaf in bad[0].detail, bad
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_swapped_rank_files_fail(artifacts, tmp_path, family):
+    out = fresh(artifacts, tmp_path, family)
+    m = read_manifest(out)
+    a, b = (out / m["ranks"][r]["files"][0]["path"] for r in (0, 1))
+    tmp = a.with_name("swap")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+    report = validate(out)
+    failed = {r.rank for r in report.rows if not r.passed}
+    assert {0, 1} <= failed
+    assert any("rank-00000" in r.detail and "gemm1_weights (expert 0)" in r.detail for r in report.rows)
+
+
+def test_cli_exit_status_and_message(artifacts, tmp_path):
+    out = fresh(artifacts, tmp_path, "gpt_oss_tiny")
+    corrupt(out, 1, "gemm1_weights", flip_weight_byte)
+    r = CliRunner().invoke(app, ["validate", str(out), "--json"])
+    assert r.exit_code == 1
+    doc = json.loads(r.stdout)
+    assert doc["passed"] is False and any("rank-00001" in row["detail"] for row in doc["rows"])
+    r = CliRunner().invoke(app, ["validate", str(out)])
+    assert r.exit_code == 1 and "FAIL" in r.stdout
+
+
+def test_clean_artifacts_pass_with_every_expert_checked(artifacts):
+    for family in FAMILIES:
+        report = validate(artifacts(family, 2), tokens=8)
+        assert report.passed
+        assert report.backend == "decode" and "not Blackwell" in report.notes[0]
+
+
+def test_backend_guard_names_the_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the guard is checked on the CPU")
+    with pytest.raises(MoeshardError, match=r"--backend trtllm-gen: .*Blackwell \(SM100/SM103\) only; found no CUDA GPU"):
+        select_backend("trtllm-gen", "cpu")
+    with pytest.raises(MoeshardError, match="--device cuda: no CUDA GPU found"):
+        select_backend("decode", "cuda")
+    assert select_backend("decode", "cpu") == ("decode", None)
