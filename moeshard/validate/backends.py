@@ -69,13 +69,17 @@ def trtllm_args(kt: dict[str, torch.Tensor], kernel_args: dict, rank: dict, hidd
     logits : ``[T, num_experts]`` float32 router logits
     routing_bias : ``[num_experts]`` (DeepSeek's e_score_correction_bias) or None
 
-    MXFP4 (GPT-OSS) runs with BF16 activations and BF16 logits; NVFP4 with NVFP4 activations
-    quantized with the artifact's ``hidden_states_scale_global`` and float32 logits.
+    MXFP4 (GPT-OSS) runs with BF16 activations; NVFP4 with NVFP4 activations quantized with the
+    artifact's ``hidden_states_scale_global`` (linear scale layout). Logits and the routing bias
+    stay float32 (the launcher takes f32 or bf16 for every routing method), so that the kernel
+    routes exactly as the reference does.
     """
+    from flashinfer.tllm_enums import SfLayout
+
     nvfp4 = "output1_scale_scalar" in kt
     args = dict(
-        routing_logits=logits.float() if nvfp4 else logits.to(torch.bfloat16),
-        routing_bias=None if routing_bias is None else routing_bias.to(torch.bfloat16),
+        routing_logits=logits.float(),
+        routing_bias=None if routing_bias is None else routing_bias.float(),
         gemm1_weights=kt["gemm1_weights"], gemm1_weights_scale=kt["gemm1_weights_scale"],
         gemm1_bias=kt.get("gemm1_bias"), gemm1_alpha=kt.get("gemm1_alpha"), gemm1_beta=kt.get("gemm1_beta"),
         gemm1_clamp_limit=kt.get("gemm1_clamp_limit"),
@@ -95,7 +99,7 @@ def trtllm_args(kt: dict[str, torch.Tensor], kernel_args: dict, rank: dict, hidd
     )
     if nvfp4:
         packed, sf, deq = quantize_hidden_states(hidden, kt["hidden_states_scale_global"])
-        args.update(hidden_states=packed, hidden_states_scale=sf)
+        args.update(hidden_states=packed, hidden_states_scale=sf, hidden_states_scale_layout=SfLayout.layout_linear)
         return args, deq
     bf = hidden.to(torch.bfloat16)
     args.update(hidden_states=bf, hidden_states_scale=None)
