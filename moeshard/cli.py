@@ -116,7 +116,14 @@ def convert(
     source: Annotated[Path, typer.Argument(help="Checkpoint folder.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Artifact folder to write.")],
     ep_size: Annotated[int, typer.Option(help="Expert-parallel ranks; must divide the expert count.")] = 1,
-    pad_multiple: Annotated[int, typer.Option(help="Pad hidden and intermediate sizes to a multiple of this.")] = 256,
+    tp_size: Annotated[int, typer.Option(help="Tensor-parallel ranks per EP rank: each gets a slice of every "
+                                              "expert's intermediate dimension. Ranks = ep x tp.")] = 1,
+    placement: Annotated[str, typer.Option(help="Experts per EP rank: contiguous (vLLM's default, what the "
+                                                "trtllm-gen kernel takes) or round-robin (expert e on rank "
+                                                "e mod ep).")] = "contiguous",
+    pad_multiple: Annotated[Optional[int], typer.Option(help="Pad hidden and per-rank intermediate sizes to a "
+                                                             "multiple of this (default: 256 for GPT-OSS, 128 "
+                                                             "for NVFP4).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest output safetensors file, e.g. 5GB.")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing artifact or non-empty folder.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Validate headers and print the plan; write nothing.")] = False,
@@ -128,9 +135,10 @@ def convert(
     from moeshard.convert.pipeline import convert as run
 
     if dry_run:
-        plan = run(source, output, ep_size=ep_size, pad_multiple=pad_multiple,
+        plan = run(source, output, ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
                    max_shard_bytes=parse_size(max_shard_size), dry_run=True)
-        doc = {"ranks": [{"rank": r.rank, "experts": [r.experts[0], r.experts[-1]],
+        doc = {"ranks": [{"rank": r.rank, "ep_rank": r.ep_rank, "tp_rank": r.tp_rank, "experts": list(r.experts),
+                          "intermediate_slice": [r.i_start, r.i_stop],
                           "files": [{"path": f.path, "layers": list(f.layers), "bytes": f.nbytes} for f in r.files]}
                          for r in plan.ranks],
                "common_files": [{"path": f.path, "tensors": len(f.sources), "bytes": f.nbytes} for f in plan.common],
@@ -142,10 +150,11 @@ def convert(
         return
     ctx, tick = _progress(not (as_json or quiet), description="converting")
     with ctx:
-        res = run(source, output, ep_size=ep_size, pad_multiple=pad_multiple, max_shard_bytes=parse_size(max_shard_size),
-                  overwrite=overwrite, device=device, progress=tick)
+        res = run(source, output, ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
+                  max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite, device=device, progress=tick)
     m = res.manifest
     summary = {"output": str(res.out), "family": m["family"], "ranks": len(m["ranks"]), "ep_size": m["ep_size"],
+               "tp_size": m["tp_size"], "placement": m["placement"],
                "moe_layers": len(m["moe_layers"]), "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
                "seconds": round(res.seconds, 3), "throughput_gb_s": round(res.bytes_written / res.seconds / 1e9, 3)}
     if as_json:
@@ -180,11 +189,11 @@ def inspect(
     out_console.print(table)
     if "ranks" in info:
         rt = Table(title="ranks")
-        for col in ("rank", "experts", "local_expert_offset", "files", "bytes"):
+        cols = ("rank", "ep_rank", "tp_rank", "experts", "local_expert_offset", "intermediate_slice", "files", "bytes")
+        for col in cols:
             rt.add_column(col, justify="right")
         for r in info["ranks"]:
-            rt.add_row(*(str(r[c]) if c != "bytes" else _fmt_bytes(r[c]) for c in
-                         ("rank", "experts", "local_expert_offset", "files", "bytes")))
+            rt.add_row(*(escape(str(r[c])) if c != "bytes" else _fmt_bytes(r[c]) for c in cols))
         out_console.print(rt)
     else:
         ex = info["expert_tensors_of_layer"]

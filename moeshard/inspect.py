@@ -27,8 +27,12 @@ def inspect_path(path: Path) -> dict:
             "placement": m["placement"],
             "source": m["source"]["repo_id"] or m["source"]["path"],
             "kernel_args": first["kernel_args"],
-            "ranks": [{"rank": r["rank"], "experts": f"{r['experts'][0]}-{r['experts'][-1]}",
-                       "local_expert_offset": r["local_expert_offset"], "files": len(r["files"]),
+            "ranks": [{"rank": r["rank"], "ep_rank": r["ep_rank"], "tp_rank": r["tp_rank"],
+                       "experts": (f"{r['experts'][0]}-{r['experts'][-1]}" if r["local_expert_offset"] is not None
+                                   else f"{r['experts'][0]},{r['experts'][1]},..,{r['experts'][-1]}"
+                                   if len(r["experts"]) > 2 else ",".join(map(str, r["experts"]))),
+                       "local_expert_offset": r["local_expert_offset"],
+                       "intermediate_slice": r["intermediate_slice"], "files": len(r["files"]),
                        "bytes": sum(f["bytes"] for f in r["files"])} for r in m["ranks"]],
             "common_bytes": sum(f["bytes"] for f in m["common"]["files"]),
         }

@@ -25,7 +25,7 @@ def test_rank_bytes_equal_vllm_flashinfer(gpt_oss_tiny, gpt_oss_artifacts, ep_si
     out = gpt_oss_artifacts(ep_size, pad)
     m = read_manifest(out)
     h_pad, i_pad = m["padding"]["hidden_size_padded"], m["padding"]["intermediate_size_padded"]
-    assert (h_pad, i_pad) == (-(-160 // pad) * pad, -(-96 // pad) * pad)
+    assert (h_pad, i_pad) == (-(-160 // pad) * pad, -(-224 // pad) * pad)
     with Checkpoint(gpt_oss_tiny) as src:
         for rank in m["ranks"]:
             e0, e1 = rank["experts"][0], rank["experts"][-1] + 1
@@ -48,7 +48,7 @@ def test_rank_bytes_equal_vllm_flashinfer(gpt_oss_tiny, gpt_oss_artifacts, ep_si
 def test_decode_gives_source_bytes_and_zero_padding(gpt_oss_tiny, gpt_oss_artifacts, ep_size):
     out = gpt_oss_artifacts(ep_size)
     m = read_manifest(out)
-    h, i = 160, 96
+    h, i = m["padding"]["hidden_size"], m["padding"]["intermediate_size"]
     with Checkpoint(gpt_oss_tiny) as src:
         for rank in m["ranks"]:
             e0, e1 = rank["experts"][0], rank["experts"][-1] + 1

@@ -14,10 +14,10 @@ from moeshard import __version__
 from moeshard.convert.families import QuantFormat, detect
 from moeshard.convert.io import DTYPE_CODES, sha256_file, write_index, write_json, write_safetensors
 from moeshard.convert.manifest import MANIFEST_NAME, SCHEMA_VERSION, is_artifact
-from moeshard.convert.plan import OutFile, Plan, make_plan
+from moeshard.convert.plan import PLACEMENT_ENGINES, OutFile, Plan, RankPlan, make_plan
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
-from moeshard.layouts.canonical import pad_experts
+from moeshard.layouts.canonical import CanonicalExperts, concat_experts, pad_experts, slice_intermediate
 from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, nvfp4_scalars, swiglu_oai_scalars, to_trtllm
 
 Progress = Callable[[int, str], None]
@@ -41,22 +41,40 @@ def _flashinfer_version() -> str | None:
         return None
 
 
-def rank_layer_tensors(plan: Plan, ckpt: Checkpoint, adapter, layer: int, experts: tuple[int, ...],
+def read_rank_experts(adapter, ckpt: Checkpoint, spec, layer: int, experts: tuple[int, ...] | list[int],
+                      i_start: int, i_stop: int, tp_rank: int) -> CanonicalExperts:
+    """One rank's canonical experts of one layer, unpadded: its experts (one contiguous read, or
+    one read per expert for round-robin), its TP slice of the intermediate dimension, and the
+    down-projection bias only on TP rank 0 (zeros elsewhere, as vLLM loads it: the row-parallel
+    outputs are summed)."""
+    experts = list(experts)
+    if experts == list(range(experts[0], experts[0] + len(experts))):
+        c = adapter.read_experts(ckpt, spec, layer, experts[0], experts[-1] + 1)
+    else:
+        c = concat_experts([adapter.read_experts(ckpt, spec, layer, x, x + 1) for x in experts])
+    if (i_start, i_stop) != (0, spec.intermediate_size):
+        c = slice_intermediate(c, i_start, i_stop)
+    if tp_rank > 0 and c.w2_bias is not None:
+        c = c.replace(w2_bias=torch.zeros_like(c.w2_bias))
+    return c
+
+
+def rank_layer_tensors(plan: Plan, ckpt: Checkpoint, adapter, layer: int, rank: RankPlan,
                        device: str = "cpu", input_scales: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> dict[str, torch.Tensor]:
-    """The kernel tensors of one MoE layer for one rank's (contiguous) experts, on the CPU.
+    """The kernel tensors of one MoE layer for one rank, on the CPU.
 
     ``input_scales`` are the layer's ``(a13, a2)`` for NVFP4 (read from the source when None).
     """
     spec = plan.spec
-    c = adapter.read_experts(ckpt, spec, layer, experts[0], experts[-1] + 1)
+    c = read_rank_experts(adapter, ckpt, spec, layer, rank.experts, rank.i_start, rank.i_stop, rank.tp_rank)
     if device != "cpu":
         c = c.replace(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in c.__dict__.items()})
     c = pad_experts(c, plan.hidden_size_padded, plan.intermediate_size_padded)
     t = to_trtllm(c, plan.epilogue_tile_m)
     if spec.activation["type"] == "swiglu_oai":
         a = spec.activation
-        t.update(swiglu_oai_scalars(len(experts), a["limit"], a["alpha"], a["beta"]))
+        t.update(swiglu_oai_scalars(len(rank.experts), a["limit"], a["alpha"], a["beta"]))
     if spec.quant_format is QuantFormat.NVFP4:
         a13, a2 = input_scales if input_scales is not None else adapter.input_scales(ckpt, spec, layer)
         t.update(nvfp4_scalars(c.w13_scale_2, c.w2_scale_2, a13, a2))
@@ -68,7 +86,6 @@ def _kernel_args(plan: Plan, layer: int) -> dict:
     spec = plan.spec
     return {**spec.routing, "num_experts": spec.num_experts, "hidden_size": plan.hidden_size_padded,
             "intermediate_size": plan.intermediate_size_padded, "valid_hidden_size": spec.hidden_size,
-            "valid_intermediate_size": spec.intermediate_size,
             "activation_type": spec.activation["activation_type"]}
 
 
@@ -90,12 +107,17 @@ def build_manifest(plan: Plan, files: dict[str, dict], source_files: dict[str, d
         "ep_size": plan.ep_size,
         "tp_size": plan.tp_size,
         "placement": plan.placement,
+        "placement_engines": PLACEMENT_ENGINES[plan.placement],
         "activation": spec.activation,
         "router": spec.router,
         "moe_layers": [{"layer": layer, "prefix": spec.prefix(layer), "kernel_args": _kernel_args(plan, layer)}
                        for layer in spec.moe_layers],
         "ranks": [{"rank": r.rank, "ep_rank": r.ep_rank, "tp_rank": r.tp_rank, "experts": list(r.experts),
-                   "local_expert_offset": r.experts[0], "local_num_experts": len(r.experts),
+                   "local_expert_offset": r.experts[0] if r.contiguous else None,
+                   "local_num_experts": len(r.experts),
+                   "intermediate_slice": [r.i_start, r.i_stop],
+                   "intermediate_padding": plan.intermediate_size_padded - (r.i_stop - r.i_start),
+                   "adds_gemm2_bias": (spec.quant_format is QuantFormat.MXFP4 and r.tp_rank == 0),
                    "folder": r.folder, "files": [{"path": f.path, **files[f.path]} for f in r.files]}
                   for r in plan.ranks],
         "common": {"folder": "common", "files": [{"path": f.path, **files[f.path]} for f in plan.common]},
@@ -110,7 +132,7 @@ def _write_file(out: Path, f: OutFile, tensors: dict[str, torch.Tensor]) -> dict
 
 
 def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, placement: str = "contiguous",
-            pad_multiple: int = 256, max_shard_bytes: int | None = None, overwrite: bool = False,
+            pad_multiple: int | None = None, max_shard_bytes: int | None = None, overwrite: bool = False,
             device: str = "cpu", progress: Progress | None = None, dry_run: bool = False) -> ConvertResult | Plan:
     """Convert checkpoint folder ``source`` into the artifact folder ``out`` (DESIGN.md).
 
@@ -148,7 +170,7 @@ def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, plac
             for f in r.files:
                 tensors = {}
                 for layer in f.layers:
-                    tensors.update(rank_layer_tensors(plan, ckpt, adapter, layer, r.experts, device, scales.get(layer)))
+                    tensors.update(rank_layer_tensors(plan, ckpt, adapter, layer, r, device, scales.get(layer)))
                     tick(0, f"{r.folder} layer {layer}")
                 files[f.path] = _write_file(out, f, tensors)
                 weight_map.update({k: Path(f.path).name for k in tensors})

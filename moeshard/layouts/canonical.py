@@ -55,10 +55,40 @@ class CanonicalExperts:
 
     @property
     def sf_vec_size(self) -> int:
-        return self.hidden_size // self.w13_scale.shape[2]
+        return 2 * self.w13.shape[2] // self.w13_scale.shape[2]
 
     def replace(self, **changes) -> "CanonicalExperts":
         return dataclasses.replace(self, **changes)
+
+
+def slice_intermediate(c: CanonicalExperts, start: int, stop: int) -> CanonicalExperts:
+    """A TP rank's slice ``[start, stop)`` of every expert's intermediate dimension.
+
+    ``w13`` keeps rows ``[up[start:stop] ; gate[start:stop]]`` (and so do its scales and bias);
+    ``w2`` keeps columns ``[start, stop)``: bytes ``[start/2, stop/2)``, scale columns
+    ``[start/sf, stop/sf)``. ``w2_bias`` is kept whole (the caller decides which rank adds it).
+    Per-expert scalars are unchanged. Precondition: start and stop are multiples of sf.
+    """
+    i, sf = c.intermediate_size, c.sf_vec_size
+    if start % sf or stop % sf or not 0 <= start < stop <= i:
+        raise ValueError(f"slice [{start}, {stop}) of I={i} is not on {sf}-element blocks")
+
+    def halves(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat((t[:, start:stop], t[:, i + start:i + stop]), dim=1)
+
+    return c.replace(w13=halves(c.w13), w13_scale=halves(c.w13_scale),
+                     w13_bias=None if c.w13_bias is None else halves(c.w13_bias),
+                     w2=c.w2[:, :, start // 2:stop // 2], w2_scale=c.w2_scale[:, :, start // sf:stop // sf])
+
+
+def concat_experts(parts: list[CanonicalExperts]) -> CanonicalExperts:
+    """Stack canonical experts read separately (e.g. a round-robin rank's experts) along dim 0."""
+    if len(parts) == 1:
+        return parts[0]
+    fields = {}
+    for k, v in parts[0].__dict__.items():
+        fields[k] = None if v is None else torch.cat([getattr(p, k) for p in parts])
+    return CanonicalExperts(**fields)
 
 
 def _pad_halves(t: torch.Tensor, i: int, i_pad: int) -> torch.Tensor:

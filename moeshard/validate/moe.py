@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -62,10 +62,9 @@ def activate(h1: torch.Tensor, activation: dict, e: int) -> torch.Tensor:
     return (up + beta) * gate * torch.sigmoid(alpha * gate)
 
 
-def moe_forward(x: torch.Tensor, expert: Callable[[int], tuple], num_local: int, ids: torch.Tensor,
-                weights: torch.Tensor, activation: dict, expert_offset: int = 0,
-                weight_on_input: bool = False) -> torch.Tensor:
-    """Sum over the routed experts that lie in ``[expert_offset, expert_offset + num_local)``.
+def moe_forward(x: torch.Tensor, expert: Callable[[int], tuple], expert_ids: Sequence[int], ids: torch.Tensor,
+                weights: torch.Tensor, activation: dict, weight_on_input: bool = False) -> torch.Tensor:
+    """Sum over the routed experts that this rank holds.
 
     Parameters
     ----------
@@ -73,6 +72,7 @@ def moe_forward(x: torch.Tensor, expert: Callable[[int], tuple], num_local: int,
     expert : local index e -> ``(w13 [2*I, H], w2 [H, I], b13 [2*I] or None, b2 [H] or None)``
         float32, w13 rows ``[up ; gate]``; called once per expert that has tokens, so that only
         one expert is dequantized at a time.
+    expert_ids : the global id of each local expert, in local order
     ids, weights : ``[T, k]`` global expert ids and their routing weights
     weight_on_input : scale the expert's input instead of its output (Llama-4)
 
@@ -81,10 +81,12 @@ def moe_forward(x: torch.Tensor, expert: Callable[[int], tuple], num_local: int,
     ``[T, H]`` float32: ``sum_k weight * (act(x @ w13.T + b13) @ w2.T + b2)`` over the local
     experts only (a rank's partial output).
     """
+    lookup = torch.full((max(int(ids.max()), max(expert_ids)) + 1,), -1, dtype=torch.long, device=ids.device)
+    lookup[torch.as_tensor(list(expert_ids), device=ids.device)] = torch.arange(len(expert_ids), device=ids.device)
+    local = lookup[ids]
     out = None
-    local = ids - expert_offset
     for e in torch.unique(local).tolist():
-        if not 0 <= e < num_local:
+        if e < 0:
             continue
         w13, w2, b13, b2 = expert(e)
         if out is None:

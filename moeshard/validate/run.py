@@ -10,6 +10,7 @@ import torch
 
 from moeshard.convert.families import QuantFormat, detect
 from moeshard.convert.manifest import read_manifest
+from moeshard.convert.pipeline import read_rank_experts
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.layouts.canonical import CanonicalExperts, pad_experts
@@ -86,8 +87,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return diff.abs().max().item(), (diff.norm().item() / denom if denom > 0 else diff.norm().item())
 
 
-def _padding_leaks(c: CanonicalExperts, h: int, i: int) -> list[str]:
-    """Names of the kernel tensors whose padding (beyond the source's H and I) is not zero."""
+def _padding_leaks(c: CanonicalExperts, h: int, i: int, tp_rank: int = 0) -> list[str]:
+    """Names of the kernel tensors whose padding (beyond the source's H and the rank's I) is not
+    zero, and ``gemm2_bias`` when a TP rank other than 0 carries one."""
     ip = c.intermediate_size
     sf = c.sf_vec_size
     leaks = []
@@ -101,12 +103,12 @@ def _padding_leaks(c: CanonicalExperts, h: int, i: int) -> list[str]:
             leaks.append(name)
     if c.w13_bias is not None and (c.w13_bias[:, i:ip].any() or c.w13_bias[:, ip + i:].any()):
         leaks.append("gemm1_bias")
-    if c.w2_bias is not None and c.w2_bias[:, h:].any():
+    if c.w2_bias is not None and (c.w2_bias[:, h:].any() or (tp_rank > 0 and c.w2_bias.any())):
         leaks.append("gemm2_bias")
     return leaks
 
 
-def _diagnose(kt: dict[str, torch.Tensor], want: dict[str, torch.Tensor], e0: int) -> str:
+def _diagnose(kt: dict[str, torch.Tensor], want: dict[str, torch.Tensor], experts: list[int]) -> str:
     """Which stored tensors differ from the conversion of the source, and from which expert on."""
     bad = []
     for name, t in sorted(want.items()):
@@ -118,7 +120,7 @@ def _diagnose(kt: dict[str, torch.Tensor], want: dict[str, torch.Tensor], e0: in
         differ = (a.view(torch.uint8) != b.view(torch.uint8)).any(dim=-1) if a.dtype.itemsize == 1 else (a != b).any(-1)
         if differ.any():
             first = int(differ.nonzero()[0])
-            bad.append(f"{name} (expert {e0 + first})" if got.dim() else name)
+            bad.append(f"{name} (expert {experts[first]})" if got.dim() else name)
     return ", ".join(bad)
 
 
@@ -155,6 +157,9 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
     for r in ranks:
         if r not in all_ranks:
             raise MoeshardError(f"--ranks {r}: {out} has ranks 0..{len(all_ranks) - 1}")
+    if backend == "trtllm-gen" and m["placement"] != "contiguous":
+        raise MoeshardError(f"{out}: placement {m['placement']}: FlashInfer's from-logits trtllm-gen kernel needs each "
+                            "rank's experts contiguous; use --backend decode")
     tick = progress or (lambda what: None)
 
     with Checkpoint(src) as ckpt, Checkpoint(out / "common", with_config=False) as common:
@@ -182,10 +187,11 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
             x_ref = x  # the activations the reference sees (the kernel's, for trtllm-gen)
             for r in ranks:
                 info = rank_info[r]
-                e0, n = info["local_expert_offset"], info["local_num_experts"]
+                experts, n = info["experts"], info["local_num_experts"]
                 where = f"{info['folder']}: {entry['prefix']}"
                 tick(f"rank {r} layer {layer}")
-                ref = _to(adapter.read_experts(ckpt, spec, layer, e0, e0 + n), device)
+                ref = _to(read_rank_experts(adapter, ckpt, spec, layer, experts, *info["intermediate_slice"],
+                                            info["tp_rank"]), device)
                 with Checkpoint(out / info["folder"], with_config=False) as rf:
                     names = [k for k in rf.tensors if k.startswith(entry["prefix"] + ".")]
                     if not names:
@@ -196,7 +202,7 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                     kargs, x_used = trtllm_args(kt, args, info, x_pad, logits, router.get("correction_bias"))
                     x_ref = x_used[:, :h]
                     got = run_trtllm(kargs)[:, :h]
-                    want = moe_forward(x_ref, expert_fn(ref, fmt, device), n, ids, weights, spec.activation, e0, on_input)
+                    want = moe_forward(x_ref, expert_fn(ref, fmt, device), experts, ids, weights, spec.activation, on_input)
                     checks.append((*_rel(got, want), None))
                     leaks: list[str] = []
                 else:
@@ -204,18 +210,17 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                     act = dict(spec.activation)
                     if act["type"] == "swiglu_oai":
                         act.update(alpha=kt["gemm1_alpha"], beta=kt["gemm1_beta"], limit=kt["gemm1_clamp_limit"])
-                    leaks = _padding_leaks(art, h, i)
+                    a, b = info["intermediate_slice"]
+                    leaks = _padding_leaks(art, h, b - a, info["tp_rank"])
                     src_fn, art_fn = expert_fn(ref, fmt, device), expert_fn(art, fmt, device)
-                    every = torch.arange(e0, e0 + n, device=device).repeat(tokens, 1)
-                    ones = torch.ones(tokens, n, device=device)
-                    for e in range(n):  # each expert alone, on every token
-                        one = every[:, e:e + 1]
-                        w1 = ones[:, e:e + 1]
-                        want_e = moe_forward(x, src_fn, n, one, w1, spec.activation, e0)
-                        got_e = moe_forward(x_pad, art_fn, n, one, w1, act, e0)[:, :h]
-                        checks.append((*_rel(got_e, want_e), e0 + e))
-                    want = moe_forward(x, src_fn, n, ids, weights, spec.activation, e0, on_input)
-                    got = moe_forward(x_pad, art_fn, n, ids, weights, act, e0, on_input)[:, :h]
+                    ones = torch.ones(tokens, 1, device=device)
+                    for e, ge in enumerate(experts):  # each expert alone, on every token
+                        one = torch.full((tokens, 1), ge, device=device, dtype=torch.long)
+                        want_e = moe_forward(x, src_fn, experts, one, ones, spec.activation)
+                        got_e = moe_forward(x_pad, art_fn, experts, one, ones, act)[:, :h]
+                        checks.append((*_rel(got_e, want_e), ge))
+                    want = moe_forward(x, src_fn, experts, ids, weights, spec.activation, on_input)
+                    got = moe_forward(x_pad, art_fn, experts, ids, weights, act, on_input)[:, :h]
                     checks.append((*_rel(got, want), None))
                 max_abs = max(c[0] for c in checks)
                 rel = max(c[1] for c in checks)
@@ -231,7 +236,7 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                     if spec.activation["type"] == "swiglu_oai":
                         a = spec.activation
                         want_t.update({k: v.to(device) for k, v in swiglu_oai_scalars(n, a["limit"], a["alpha"], a["beta"]).items()})
-                    bad = _diagnose(kt, want_t, e0)
+                    bad = _diagnose(kt, want_t, experts)
                     what = (f"padding not zero in {', '.join(leaks)}" if leaks else
                             f"relative error {worst[1]:.3g} > {tol:g}" +
                             (f" at expert {worst[2]}" if worst[2] is not None else " on the routed output"))
@@ -241,8 +246,8 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
             if sorted(ranks) == all_ranks and len(all_ranks) > 1:
                 tick(f"all experts layer {layer}")
                 full = _to(adapter.read_experts(ckpt, spec, layer, 0, spec.num_experts), device)
-                want = moe_forward(x_ref, expert_fn(full, fmt, device), spec.num_experts, ids, weights,
-                                   spec.activation, 0, on_input)
+                want = moe_forward(x_ref, expert_fn(full, fmt, device), range(spec.num_experts), ids, weights,
+                                   spec.activation, on_input)
                 max_abs, rel = _rel(sum_got, want)
                 ok = rel <= tol
                 report.rows.append(Row("sum", layer, backend, max_abs, rel, ok,
