@@ -26,7 +26,7 @@ app = typer.Typer(
     add_completion=False,
 )
 out_console = Console(soft_wrap=True)
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # one line per message, never wrapped
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout, nothing else.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
@@ -126,6 +126,8 @@ def convert(
                                                              "for NVFP4).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest output safetensors file, e.g. 5GB.")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing artifact or non-empty folder.")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted conversion into OUTPUT, reusing the files "
+                                              "it finished (checked by sha256).")] = False,
     dry_run: Annotated[bool, typer.Option(help="Validate headers and print the plan; write nothing.")] = False,
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
@@ -151,18 +153,21 @@ def convert(
     ctx, tick = _progress(not (as_json or quiet), description="converting")
     with ctx:
         res = run(source, output, ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
-                  max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite, device=device, progress=tick)
+                  max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite, resume=resume, device=device,
+                  progress=tick)
     m = res.manifest
     summary = {"output": str(res.out), "family": m["family"], "ranks": len(m["ranks"]), "ep_size": m["ep_size"],
                "tp_size": m["tp_size"], "placement": m["placement"],
                "moe_layers": len(m["moe_layers"]), "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
+               "files_reused": res.files_reused,
                "seconds": round(res.seconds, 3), "throughput_gb_s": round(res.bytes_written / res.seconds / 1e9, 3)}
     if as_json:
         out_console.print_json(json.dumps(summary))
         return
     err_console.print(f"converted {m['family']} ({len(m['moe_layers'])} MoE layers, {m['num_experts']} experts) into "
                       f"{len(m['ranks'])} ranks: wrote {_fmt_bytes(res.bytes_written)} in {res.seconds:.2f} s "
-                      f"({res.bytes_written / res.seconds / 1e9:.2f} GB/s)")
+                      f"({res.bytes_written / res.seconds / 1e9:.2f} GB/s)"
+                      + (f"; reused {res.files_reused} finished files" if res.files_reused else ""))
     out_console.print(str(res.out))
 
 
@@ -203,6 +208,35 @@ def inspect(
         for n, t in ex["tensors"].items():
             et.add_row(n[len(ex["prefix"]) + 1:], t["dtype"], str(t["shape"]))
         out_console.print(et)
+
+
+@app.command(epilog="Examples:\n\n  moeshard verify out/\n\n  moeshard verify out/ --json")
+def verify(
+    artifact: Annotated[Path, typer.Argument(help="Artifact folder written by moeshard convert.")],
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Re-hash every file against the manifest (sha256); exit 1 on any missing or changed file."""
+    from moeshard.convert.manifest import read_manifest
+    from moeshard.convert.verify import as_json as to_json
+    from moeshard.convert.verify import manifest_files
+    from moeshard.convert.verify import verify as run
+
+    total = sum(f["bytes"] for f in manifest_files(read_manifest(artifact)))
+    ctx, tick = _progress(not (as_json or quiet), total, "verifying")
+    with ctx:
+        checks = run(artifact, progress=tick)
+    bad = [c for c in checks if not c.ok]
+    if as_json:
+        out_console.print_json(json.dumps(to_json(checks)))
+    else:
+        for c in bad:
+            err_console.print(f"FAIL: {artifact / c.path}: {c.problem}")
+        out_console.print(("[green]OK[/]" if not bad else "[red]FAIL[/]") +
+                          f": {len(checks) - len(bad)}/{len(checks)} files match the manifest "
+                          f"({_fmt_bytes(sum(c.bytes for c in checks))}, sha256)")
+    if bad:
+        raise typer.Exit(1)
 
 
 def _print_report(report, as_json: bool) -> None:
@@ -289,6 +323,10 @@ def main() -> None:
     """Entry point: known user errors become one stderr line and exit status 1."""
     try:
         app()
+    except KeyboardInterrupt:
+        print("moeshard: interrupted; nothing that looks finished was left (no manifest); "
+              "convert --resume continues a conversion", file=sys.stderr)
+        sys.exit(130)
     except MoeshardError as e:
         if os.environ.get("MOESHARD_DEBUG"):
             raise

@@ -37,7 +37,13 @@ def inspect_path(path: Path) -> dict:
             "common_bytes": sum(f["bytes"] for f in m["common"]["files"]),
         }
     from moeshard.convert.families import detect
+    from moeshard.convert.output import STATE_DIR
     from moeshard.convert.source import Checkpoint
+    from moeshard.errors import MoeshardError
+
+    if (path / STATE_DIR).exists() or (path / "rank-00000").is_dir():
+        raise MoeshardError(f"{path}: not a moeshard artifact: moeshard.json is missing (an interrupted or unfinished "
+                            "conversion; finish it with moeshard convert --resume)")
 
     with Checkpoint(path) as ckpt:
         adapter = detect(ckpt)

@@ -66,6 +66,11 @@ class DeepSeekAdapter:
         positive_ints(cfg, where, ("n_routed_experts", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
                                    "num_experts_per_tok", "n_group", "topk_group"))
         e, h, i = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+        ng, kg, k = cfg["n_group"], cfg["topk_group"], cfg["num_experts_per_tok"]
+        if e % ng or kg > ng or k > e:
+            raise MoeshardError(f"{where}: routing: expected n_group dividing n_routed_experts, topk_group <= n_group "
+                                f"and num_experts_per_tok <= n_routed_experts, found n_routed_experts {e}, "
+                                f"n_group {ng}, topk_group {kg}, num_experts_per_tok {k}")
         if h % 16 or i % 16:
             raise MoeshardError(f"{where}: hidden_size {h}, moe_intermediate_size {i}: expected multiples of 16")
         first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
@@ -74,6 +79,7 @@ class DeepSeekAdapter:
             raise MoeshardError(f"{where}: no MoE layer (num_hidden_layers {cfg['num_hidden_layers']}, "
                                 f"first_k_dense_replace {first})")
         names = set()
+        why = f"from config.json hidden_size={h}, moe_intermediate_size={i}"
         for layer in layers:
             p = PREFIX.format(layer=layer)
             for x in range(e):
@@ -83,9 +89,10 @@ class DeepSeekAdapter:
                         t = ckpt.info(name)
                         want = shape(n, k)
                         if t.dtype != dtype or (t.shape != want and not (want == () and t.shape == (1,))):
-                            ckpt.expect(name, dtype, want)
+                            ckpt.expect(name, dtype, want, why)
                         names.add(name)
-            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h))
+            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h), f"from config.json n_routed_experts={e}, "
+                        f"hidden_size={h}")
             bias = ckpt.info(ROUTER["correction_bias"].format(layer=layer))
             if bias.shape != (e,):
                 raise MoeshardError(f"{bias.file}: {ROUTER['correction_bias'].format(layer=layer)}: "
@@ -112,10 +119,11 @@ class DeepSeekAdapter:
                     f"{ckpt.info(f'{p}.{x}.up_proj.weight_scale_2').file}: {p}.{x}.up_proj.weight_scale_2: expected "
                     f"the gate_proj value {gate_s2.item()!r} (the fused GEMM1 has one weight_scale_2), found "
                     f"{up_s2.item()!r}")
+            scale = lambda proj: ckpt.check_scales(f"{p}.{x}.{proj}.weight_scale", rd(proj, "weight_scale"), True)  # noqa: E731
             w13.append(torch.cat((rd("up_proj", "weight"), rd("gate_proj", "weight"))))
-            s13.append(torch.cat((rd("up_proj", "weight_scale"), rd("gate_proj", "weight_scale"))).view(torch.uint8))
+            s13.append(torch.cat((scale("up_proj"), scale("gate_proj"))).view(torch.uint8))
             w2.append(rd("down_proj", "weight"))
-            s2.append(rd("down_proj", "weight_scale").view(torch.uint8))
+            s2.append(scale("down_proj").view(torch.uint8))
             g2.append(gate_s2)
             d2.append(sc("down_proj", "weight_scale_2"))
             gi.append(torch.maximum(sc("gate_proj", "input_scale"), sc("up_proj", "input_scale")))

@@ -48,14 +48,17 @@ class GptOssAdapter:
         top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
         if h % 32 or i % 32:
             raise MoeshardError(f"{where}: hidden_size {h} and intermediate_size {i}: expected multiples of 32 (MXFP4 block)")
+        if not isinstance(top_k, int) or not 1 <= top_k <= e:
+            raise MoeshardError(f"{where}: num_experts_per_tok: expected an integer in 1..{e}, found {top_k!r}")
         layers = tuple(range(cfg["num_hidden_layers"]))
+        why = f"from config.json num_local_experts={e}, hidden_size={h}, intermediate_size={i}"
         names = set()
         for layer in layers:
             for leaf, (dtype, shape) in EXPERT_TENSORS.items():
                 name = f"{PREFIX.format(layer=layer)}.{leaf}"
-                ckpt.expect(name, dtype, shape(e, h, i))
+                ckpt.expect(name, dtype, shape(e, h, i), why)
                 names.add(name)
-            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h))
+            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h), why)
         return ModelSpec(
             family=self.family,
             quant_format=QuantFormat.MXFP4,
@@ -77,11 +80,12 @@ class GptOssAdapter:
         rd = lambda leaf: ckpt.read(f"{p}.{leaf}", start, stop)  # noqa: E731
         w13 = rd("gate_up_proj_blocks")
         w2 = rd("down_proj_blocks")
+        sc = lambda leaf: ckpt.check_scales(f"{p}.{leaf}", rd(leaf), False, start)  # noqa: E731
         return CanonicalExperts(
             w13=_deinterleave(w13.flatten(-2)),
-            w13_scale=_deinterleave(rd("gate_up_proj_scales")),
+            w13_scale=_deinterleave(sc("gate_up_proj_scales")),
             w2=w2.flatten(-2),
-            w2_scale=rd("down_proj_scales"),
+            w2_scale=sc("down_proj_scales"),
             w13_bias=_deinterleave(rd("gate_up_proj_bias").float()),
             w2_bias=rd("down_proj_bias").float(),
         )

@@ -97,21 +97,28 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
     return h.hexdigest()
 
 
+def json_text(obj) -> str:
+    """The one JSON spelling of moeshard's files: sorted keys, indent 2, trailing newline."""
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
 def write_json(path: Path, obj) -> None:
-    """Write JSON atomically (temporary name, then rename), sorted keys, trailing newline."""
+    """Write JSON atomically (temporary name, then rename)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json_text(obj))
     os.replace(tmp, path)
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """``safetensors.torch.save_file`` under a temporary name, then an atomic rename."""
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                      atomic: bool = True) -> None:
+    """``safetensors.torch.save_file``; with ``atomic`` under a temporary name, then renamed."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + ".tmp") if atomic else path
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata or {"format": "pt"})
     os.chmod(tmp, 0o666 & ~_UMASK)  # safetensors creates 0600; make it like any other file
-    os.replace(tmp, path)
+    if atomic:
+        os.replace(tmp, path)
 
 
 def shard_names(n: int, zero_based: bool = False) -> list[str]:
@@ -138,6 +145,10 @@ def pack_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return groups or [[]]
 
 
+def index_doc(weight_map: dict[str, str], total_size: int) -> dict:
+    """``model.safetensors.index.json`` content: ``metadata.total_size`` and a sorted ``weight_map``."""
+    return {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+
+
 def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
-    """``model.safetensors.index.json`` with ``metadata.total_size`` and a sorted ``weight_map``."""
-    write_json(folder / INDEX_NAME, {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
+    write_json(folder / INDEX_NAME, index_doc(weight_map, total_size))

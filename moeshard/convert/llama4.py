@@ -60,14 +60,15 @@ class Llama4Adapter:
         step = cfg.get("interleave_moe_layer_step", 1)
         layers = tuple(cfg.get("moe_layers") or range(step - 1, cfg["num_hidden_layers"], step))
         names = set()
+        why = f"from config.json text_config num_local_experts={e}, hidden_size={h}, intermediate_size={i}"
         for layer in layers:
             for leaf, (dtype, shape) in EXPERT_TENSORS.items():
                 name = f"{PREFIX.format(layer=layer)}.{leaf}"
                 t, want = ckpt.info(name), shape(e, h, i)
                 if t.dtype != dtype or (t.shape != want and not (want == () and t.shape == (1,))):
-                    ckpt.expect(name, dtype, want)
+                    ckpt.expect(name, dtype, want, why)
                 names.add(name)
-            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h))
+            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h), why)
         return ModelSpec(
             family=self.family, quant_format=QuantFormat.NVFP4, num_experts=e, hidden_size=h, intermediate_size=i,
             moe_layers=layers, expert_prefix=PREFIX,
@@ -83,11 +84,12 @@ class Llama4Adapter:
         s13 = read_scalar(ckpt, f"{p}.gate_up_proj_weight_scale_2")
         s2 = read_scalar(ckpt, f"{p}.down_proj_weight_scale_2")
         a13, a2 = self.input_scales(ckpt, spec, layer)
+        sc = lambda leaf: ckpt.check_scales(f"{p}.{leaf}", rd(leaf), True, start).view(torch.uint8)  # noqa: E731
         return CanonicalExperts(
             w13=_gate_up_to_canonical(rd("gate_up_proj")),
-            w13_scale=_gate_up_to_canonical(rd("gate_up_proj_weight_scale").view(torch.uint8)),
+            w13_scale=_gate_up_to_canonical(sc("gate_up_proj_weight_scale")),
             w2=rd("down_proj").transpose(1, 2).contiguous(),
-            w2_scale=rd("down_proj_weight_scale").view(torch.uint8).transpose(1, 2).contiguous(),
+            w2_scale=sc("down_proj_weight_scale").transpose(1, 2).contiguous(),
             w13_scale_2=s13.expand(n).clone(), w2_scale_2=s2.expand(n).clone(),
             w13_input_scale=a13.expand(n).clone(), w2_input_scale=a2.expand(n).clone())
 

@@ -12,8 +12,9 @@ import torch
 
 from moeshard import __version__
 from moeshard.convert.families import QuantFormat, detect
-from moeshard.convert.io import DTYPE_CODES, sha256_file, write_index, write_json, write_safetensors
-from moeshard.convert.manifest import MANIFEST_NAME, SCHEMA_VERSION, is_artifact
+from moeshard.convert.io import DTYPE_CODES, INDEX_NAME, index_doc, json_text, write_safetensors
+from moeshard.convert.manifest import SCHEMA_VERSION, is_artifact
+from moeshard.convert.output import OutputDir, check_free_space
 from moeshard.convert.plan import PLACEMENT_ENGINES, OutFile, Plan, RankPlan, make_plan
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
@@ -30,6 +31,7 @@ class ConvertResult:
     seconds: float
     bytes_read: int
     bytes_written: int
+    files_reused: int = 0
 
 
 def _flashinfer_version() -> str | None:
@@ -118,35 +120,44 @@ def build_manifest(plan: Plan, files: dict[str, dict], source_files: dict[str, d
                    "intermediate_slice": [r.i_start, r.i_stop],
                    "intermediate_padding": plan.intermediate_size_padded - (r.i_stop - r.i_start),
                    "adds_gemm2_bias": (spec.quant_format is QuantFormat.MXFP4 and r.tp_rank == 0),
-                   "folder": r.folder, "files": [{"path": f.path, **files[f.path]} for f in r.files]}
+                   "folder": r.folder, "files": [{"path": f.path, **files[f.path]} for f in r.files],
+                   "index": {"path": f"{r.folder}/{INDEX_NAME}", **files[f"{r.folder}/{INDEX_NAME}"]}}
                   for r in plan.ranks],
-        "common": {"folder": "common", "files": [{"path": f.path, **files[f.path]} for f in plan.common]},
+        "common": {"folder": "common", "files": [{"path": f.path, **files[f.path]} for f in plan.common],
+                   "index": {"path": f"common/{INDEX_NAME}", **files[f"common/{INDEX_NAME}"]}},
         "copied": [{"path": name, **files[name]} for name in plan.copied],
     }
 
 
-def _write_file(out: Path, f: OutFile, tensors: dict[str, torch.Tensor]) -> dict:
-    path = out / f.path
-    write_safetensors(path, tensors)
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+def _fingerprint(plan: Plan, ckpt: Checkpoint, args: dict) -> dict:
+    """What must be unchanged for --resume to reuse finished files."""
+    return {"tool": __version__, "source": str(ckpt.root.resolve()), "args": args,
+            "source_files": {n: (ckpt.root / n).stat().st_size for n in ckpt.files + list(plan.copied)}}
 
 
 def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, placement: str = "contiguous",
             pad_multiple: int | None = None, max_shard_bytes: int | None = None, overwrite: bool = False,
-            device: str = "cpu", progress: Progress | None = None, dry_run: bool = False) -> ConvertResult | Plan:
+            resume: bool = False, device: str = "cpu", progress: Progress | None = None,
+            dry_run: bool = False) -> ConvertResult | Plan:
     """Convert checkpoint folder ``source`` into the artifact folder ``out`` (DESIGN.md).
 
-    Plans and validates every header first; nothing is written before the plan holds. The
-    manifest is written last. With ``dry_run`` returns the :class:`Plan` and writes nothing.
+    Plans and validates every header first; nothing is written before the plan holds. Each file
+    is written under a temporary name and renamed; the manifest is written last. ``resume``
+    reuses the files an interrupted run finished (checked by size and sha256); the result is
+    byte-identical to an uninterrupted run. With ``dry_run`` returns the :class:`Plan` and
+    writes nothing.
     """
     from moeshard.convert.plan import DEFAULT_MAX_SHARD_BYTES
 
     out = Path(out)
-    if out.exists() and not dry_run:
-        if is_artifact(out) and not overwrite:
+    if overwrite and resume:
+        raise MoeshardError("--overwrite and --resume exclude each other")
+    if out.exists() and not dry_run and not (overwrite or resume):
+        if is_artifact(out):
             raise MoeshardError(f"{out}: already holds a moeshard artifact; pass --overwrite to replace it")
-        if not is_artifact(out) and any(out.iterdir()) and not overwrite:
-            raise MoeshardError(f"{out}: exists and is not empty; choose a new folder or pass --overwrite")
+        if not out.is_dir() or any(out.iterdir()):
+            raise MoeshardError(f"{out}: exists and is not empty; choose a new folder, pass --overwrite, or "
+                                "--resume an interrupted conversion")
     t0 = time.perf_counter()
     with Checkpoint(source) as ckpt:
         adapter = detect(ckpt)
@@ -155,46 +166,57 @@ def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, plac
                          pad_multiple=pad_multiple, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
         if dry_run:
             return plan
-        if out.exists():
-            (out / MANIFEST_NAME).unlink(missing_ok=True)  # no longer an artifact while rewritten
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
+        args = {"ep_size": ep_size, "tp_size": tp_size, "placement": placement, "pad_multiple": plan.pad_multiple,
+                "max_shard_bytes": max_shard_bytes or DEFAULT_MAX_SHARD_BYTES}
         tick = progress or (lambda n, what: None)
-        files: dict[str, dict] = {}
         scales: dict[int, tuple] = {}  # NVFP4 (a13, a2) per layer: read once, the same on every rank
-        if spec.quant_format is QuantFormat.NVFP4:
-            scales = {layer: adapter.input_scales(ckpt, spec, layer) for layer in spec.moe_layers}
-        for r in plan.ranks:
-            (out / r.folder).mkdir()
+        if not resume:
+            check_free_space(out, plan.total_bytes)  # before anything is created
+        with OutputDir(out, _fingerprint(plan, ckpt, args), overwrite=overwrite, resume=resume) as od:
+            reused = {f.path: rec for r in plan.ranks for f in r.files if (rec := od.reusable(f.path))}
+            reused.update({f.path: rec for f in plan.common if (rec := od.reusable(f.path))})
+            if resume:
+                check_free_space(out, plan.total_bytes - sum(rec["bytes"] for rec in reused.values()))
+            if spec.quant_format is QuantFormat.NVFP4:
+                scales = {layer: adapter.input_scales(ckpt, spec, layer) for layer in spec.moe_layers}
+            files: dict[str, dict] = {}
+            for r in plan.ranks:
+                weight_map = {}
+                for f in r.files:
+                    names = [t.name for layer in f.layers for t in plan.layer_tensors(layer, len(r.experts))]
+                    weight_map.update({n: Path(f.path).name for n in names})
+                    if f.path in reused:
+                        files[f.path] = reused[f.path]
+                        tick(f.nbytes, f"{f.path} (reused)")
+                        continue
+                    tensors = {}
+                    for layer in f.layers:
+                        tick(0, f"{r.folder} layer {layer}")
+                        tensors.update(rank_layer_tensors(plan, ckpt, adapter, layer, r, device, scales.get(layer)))
+                    files[f.path] = od.write(f.path, lambda tmp, t=tensors: write_safetensors(tmp, t, atomic=False))
+                    tick(f.nbytes, f.path)
+                    del tensors
+                files[f"{r.folder}/{INDEX_NAME}"] = od.write_text(
+                    f"{r.folder}/{INDEX_NAME}", json_text(index_doc(weight_map, sum(f.nbytes for f in r.files))))
             weight_map = {}
-            for f in r.files:
-                tensors = {}
-                for layer in f.layers:
-                    tensors.update(rank_layer_tensors(plan, ckpt, adapter, layer, r, device, scales.get(layer)))
-                    tick(0, f"{r.folder} layer {layer}")
-                files[f.path] = _write_file(out, f, tensors)
-                weight_map.update({k: Path(f.path).name for k in tensors})
+            for f in plan.common:
+                weight_map.update({n: Path(f.path).name for n in f.sources})
+                if f.path in reused:
+                    files[f.path] = reused[f.path]
+                    tick(f.nbytes, f"{f.path} (reused)")
+                    continue
+                tensors = {n: ckpt.read(n) for n in f.sources}
+                files[f.path] = od.write(f.path, lambda tmp, t=tensors: write_safetensors(tmp, t, atomic=False))
                 tick(f.nbytes, f.path)
                 del tensors
-            write_index(out / r.folder, weight_map, sum(f.nbytes for f in r.files))
-        bytes_read = sum(ckpt.tensors[n].nbytes for n in spec.expert_tensors)
-        (out / "common").mkdir()
-        weight_map = {}
-        for f in plan.common:
-            tensors = {n: ckpt.read(n) for n in f.sources}
-            files[f.path] = _write_file(out, f, tensors)
-            weight_map.update({k: Path(f.path).name for k in tensors})
-            bytes_read += f.nbytes
-            tick(f.nbytes, f.path)
-            del tensors
-        write_index(out / "common", weight_map, sum(f.nbytes for f in plan.common))
-        for name in plan.copied:
-            shutil.copyfile(ckpt.root / name, out / name)
-            files[name] = {"bytes": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
-        source_files = {name: {"bytes": (ckpt.root / name).stat().st_size} for name in ckpt.files}
-        manifest = build_manifest(plan, files, source_files)
-        write_json(out / MANIFEST_NAME, manifest)
-    return ConvertResult(out, manifest, time.perf_counter() - t0, bytes_read, plan.total_bytes)
+            files[f"common/{INDEX_NAME}"] = od.write_text(
+                f"common/{INDEX_NAME}", json_text(index_doc(weight_map, sum(f.nbytes for f in plan.common))))
+            for name in plan.copied:
+                files[name] = od.write(name, lambda tmp, n=name: shutil.copyfile(ckpt.root / n, tmp))
+            source_files = {name: {"bytes": (ckpt.root / name).stat().st_size} for name in ckpt.files}
+            manifest = build_manifest(plan, files, source_files)
+            od.finish(manifest)
+    return ConvertResult(out, manifest, time.perf_counter() - t0, ckpt.bytes_read, plan.total_bytes, len(reused))
 
 
-__all__ = ["ConvertResult", "DTYPE_CODES", "convert", "rank_layer_tensors"]
+__all__ = ["ConvertResult", "DTYPE_CODES", "convert", "rank_layer_tensors", "read_rank_experts"]

@@ -37,6 +37,7 @@ class Checkpoint:
         self.quant_config = load_json(qpath) if with_config and qpath.is_file() else None
         self.tensors = self._read_headers()
         self._handles: dict[str, object] = {}
+        self.bytes_read = 0  # tensor bytes returned by read(), for throughput reports
 
     def _read_headers(self) -> dict[str, TensorInfo]:
         index = self.root / INDEX_NAME
@@ -70,13 +71,33 @@ class Checkpoint:
             raise MoeshardError(f"{self.root}: tensor {name} missing from the checkpoint")
         return self.tensors[name]
 
-    def expect(self, name: str, dtype: str, shape: tuple[int, ...]) -> TensorInfo:
-        """Check one tensor's header, raising a MoeshardError naming file, tensor, expected, found."""
+    def expect(self, name: str, dtype: str, shape: tuple[int, ...], why: str = "") -> TensorInfo:
+        """Check one tensor's header, raising a MoeshardError naming file, tensor, expected, found.
+
+        ``why`` says where the expected shape comes from (e.g. the config values), for the message.
+        """
         t = self.info(name)
         if t.dtype != dtype:
             raise MoeshardError(f"{t.file}: {name}: expected dtype {dtype}, found {t.dtype}")
         if t.shape != tuple(shape):
-            raise MoeshardError(f"{t.file}: {name}: expected shape {list(shape)}, found {list(t.shape)}")
+            raise MoeshardError(f"{t.file}: {name}: expected shape {list(shape)}{f' ({why})' if why else ''}, "
+                                f"found {list(t.shape)}")
+        return t
+
+    def check_scales(self, name: str, t: torch.Tensor, nvfp4: bool, first_expert: int = 0) -> torch.Tensor:
+        """Refuse block scales that would poison the kernel: NaN codes (E4M3 0x7F/0xFF, UE8M0 0xFF).
+
+        ``t`` holds the bytes of ``name`` (rows of experts from ``first_expert`` on, or one expert).
+        """
+        b = t.view(torch.uint8)
+        bad = (b & 0x7F) == 0x7F if nvfp4 else b == 0xFF
+        if bad.any():
+            where = [int(v) for v in bad.nonzero()[0]]
+            if len(where) == 3:
+                where[0] += first_expert
+            kind = "E4M3" if nvfp4 else "UE8M0"
+            raise MoeshardError(f"{self.info(name).file}: {name}: expected finite {kind} block scales, found NaN "
+                                f"(0x{int(b[bad][0]):02X}) at index {where}; it would poison the kernel")
         return t
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
@@ -87,9 +108,9 @@ class Checkpoint:
         f = self._handles.get(t.file)
         if f is None:
             f = self._handles[t.file] = safe_open(self.root / t.file, framework="pt")
-        if start is None and stop is None:
-            return f.get_tensor(name)
-        return f.get_slice(name)[start:stop]
+        t = f.get_tensor(name) if start is None and stop is None else f.get_slice(name)[start:stop]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
     def close(self) -> None:
         self._handles.clear()
