@@ -44,3 +44,23 @@ def test_shard_names_and_packing():
     assert pack_groups([5, 5, 5], 10) == [[0, 1], [2]]
     assert pack_groups([20, 1, 1], 10) == [[0], [1, 2]]
     assert json.dumps(pack_groups([], 10)) == "[[]]"
+
+
+def test_streaming_writer_fills_tensors_in_any_order(tmp_path):
+    from moeshard.convert.writer import StreamingWriter
+
+    a = torch.arange(24, dtype=torch.uint8).view(4, 6)
+    b = torch.randn(3, 2).to(torch.float8_e4m3fn)
+    w = StreamingWriter(tmp_path / "s.safetensors", [("a", "U8", (4, 6)), ("b", "F8_E4M3", (3, 2)),
+                                                     ("s", "F32", ())])
+    w.write("s", torch.tensor(2.5))
+    w.write("a", a[2:], 2)
+    w.write("b", b)
+    w.write("a", a[:2], 0)
+    with pytest.raises(ValueError, match="overflow"):
+        w.write("a", a, 1)
+    w.close()
+    with safe_open(tmp_path / "s.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("a"), a) and f.get_tensor("s").item() == 2.5
+        assert torch.equal(f.get_tensor("b").view(torch.uint8), b.view(torch.uint8))
+        assert f.metadata() == {"format": "pt"}

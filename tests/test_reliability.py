@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moeshard.cli import main
-from moeshard.convert import pipeline
 from moeshard.convert.manifest import MANIFEST_NAME
 from moeshard.convert.output import FAULT_ENV, LOCK_NAME
 from moeshard.convert.pipeline import convert
@@ -69,7 +68,7 @@ def test_second_convert_into_the_same_folder_is_refused(tmp_path, gpt_oss_tiny):
 
 def test_resume_with_other_arguments_is_refused(tmp_path, gpt_oss_tiny, monkeypatch):
     out = tmp_path / "out"
-    monkeypatch.setattr(pipeline, "write_safetensors", _failing_after(1))
+    _disk_full_after(monkeypatch, 1)
     with pytest.raises(MoeshardError):
         convert(gpt_oss_tiny, out, ep_size=2)
     monkeypatch.undo()
@@ -87,24 +86,27 @@ def test_not_enough_disk_is_refused_before_writing(tmp_path, gpt_oss_tiny, monke
     assert not (tmp_path / "out").exists()
 
 
-def _failing_after(n: int):
-    real = pipeline.write_safetensors
-    calls = {"n": 0}
+def _disk_full_after(monkeypatch, n: int) -> None:
+    """The (n+1)-th output safetensors file fails half-way with ENOSPC, as a full disk does."""
+    from moeshard.convert.writer import StreamingWriter
 
-    def write(path, tensors, **kw):
-        calls["n"] += 1
-        if calls["n"] > n:
-            path.write_bytes(b"partial")
+    real = StreamingWriter.write
+    files: list = []
+
+    def write(self, name, t, first_row=0):
+        if self not in files:
+            files.append(self)
+        if len(files) > n:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, tensors, **kw)
+        return real(self, name, t, first_row)
 
-    return write
+    monkeypatch.setattr(StreamingWriter, "write", write)
 
 
 def test_disk_full_mid_run_aborts_cleanly_then_resumes(tmp_path, llama4_tiny, monkeypatch):
     out, clean = tmp_path / "out", tmp_path / "clean"
     convert(llama4_tiny, clean, ep_size=2, max_shard_bytes=60_000)
-    monkeypatch.setattr(pipeline, "write_safetensors", _failing_after(2))
+    _disk_full_after(monkeypatch, 2)
     with pytest.raises(MoeshardError, match=r"rank-00001/model-00001-of-00002\.safetensors: write failed \(disk full\)"):
         convert(llama4_tiny, out, ep_size=2, max_shard_bytes=60_000)
     assert not (out / MANIFEST_NAME).exists() and not list(out.rglob("*.tmp"))
@@ -300,3 +302,12 @@ def test_fuzzed_checkpoints_convert_or_fail_cleanly(request, tmp_path, family):
         shutil.rmtree(src)
         shutil.rmtree(out, ignore_errors=True)
     assert outcomes["error"] > 0 and outcomes["ok"] > 0, outcomes
+
+
+@pytest.mark.parametrize("family", ["gpt_oss_tiny", "deepseek_tiny"])
+def test_chunked_streaming_gives_the_same_bytes(request, tmp_path, family):
+    """One expert per chunk (many pwrites, many overlapping writes) against whole layers at once."""
+    src = request.getfixturevalue(family)
+    convert(src, tmp_path / "a", ep_size=2, tp_size=2, chunk_bytes=1)
+    convert(src, tmp_path / "b", ep_size=2, tp_size=2)
+    assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")

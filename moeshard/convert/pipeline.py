@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,8 @@ import torch
 
 from moeshard import __version__
 from moeshard.convert.families import QuantFormat, detect
-from moeshard.convert.io import DTYPE_CODES, INDEX_NAME, index_doc, json_text, write_safetensors
+from moeshard.convert.io import DTYPE_CODES, INDEX_NAME, index_doc, json_text
+from moeshard.convert.writer import StreamingWriter
 from moeshard.convert.manifest import SCHEMA_VERSION, is_artifact
 from moeshard.convert.output import OutputDir, check_free_space
 from moeshard.convert.plan import PLACEMENT_ENGINES, OutFile, Plan, RankPlan, make_plan
@@ -62,21 +64,22 @@ def read_rank_experts(adapter, ckpt: Checkpoint, spec, layer: int, experts: tupl
 
 
 def rank_layer_tensors(plan: Plan, ckpt: Checkpoint, adapter, layer: int, rank: RankPlan,
-                       device: str = "cpu", input_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                       ) -> dict[str, torch.Tensor]:
-    """The kernel tensors of one MoE layer for one rank, on the CPU.
+                       device: str = "cpu", input_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       experts: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+    """The kernel tensors of one MoE layer for one rank (or a chunk ``experts`` of its experts), on the CPU.
 
     ``input_scales`` are the layer's ``(a13, a2)`` for NVFP4 (read from the source when None).
     """
     spec = plan.spec
-    c = read_rank_experts(adapter, ckpt, spec, layer, rank.experts, rank.i_start, rank.i_stop, rank.tp_rank)
+    experts = rank.experts if experts is None else experts
+    c = read_rank_experts(adapter, ckpt, spec, layer, experts, rank.i_start, rank.i_stop, rank.tp_rank)
     if device != "cpu":
         c = c.replace(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in c.__dict__.items()})
     c = pad_experts(c, plan.hidden_size_padded, plan.intermediate_size_padded)
     t = to_trtllm(c, plan.epilogue_tile_m)
     if spec.activation["type"] == "swiglu_oai":
         a = spec.activation
-        t.update(swiglu_oai_scalars(len(rank.experts), a["limit"], a["alpha"], a["beta"]))
+        t.update(swiglu_oai_scalars(len(experts), a["limit"], a["alpha"], a["beta"]))
     if spec.quant_format is QuantFormat.NVFP4:
         a13, a2 = input_scales if input_scales is not None else adapter.input_scales(ckpt, spec, layer)
         t.update(nvfp4_scalars(c.w13_scale_2, c.w2_scale_2, a13, a2))
@@ -129,6 +132,77 @@ def build_manifest(plan: Plan, files: dict[str, dict], source_files: dict[str, d
     }
 
 
+#: Output bytes transformed per step: bounds memory whatever the layer or model size.
+CHUNK_BYTES = 256 * 10**6
+
+
+def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter, rank: RankPlan, f: OutFile, path: Path, pool,
+                    device: str = "cpu", scales: dict | None = None, chunk_bytes: int = CHUNK_BYTES,
+                    tick: Progress | None = None) -> None:
+    """Fill one rank file chunk of experts by chunk of experts, writing each chunk into place in a
+    worker thread while the next one is read and transformed."""
+    planned = [t for layer in f.layers for t in plan.layer_tensors(layer, len(rank.experts))]
+    w = StreamingWriter(path, [(t.name, t.dtype, t.shape) for t in planned])
+    pending = None
+    try:
+        for layer in f.layers:
+            per_expert = sum(t.nbytes for t in plan.layer_tensors(layer, 1))
+            step = max(1, chunk_bytes // per_expert)
+            for k in range(0, len(rank.experts), step):
+                chunk = rank.experts[k:k + step]
+                tensors = rank_layer_tensors(plan, ckpt, adapter, layer, rank, device, (scales or {}).get(layer), chunk)
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(_write_chunk, w, tensors, k)
+                if tick:
+                    tick(sum(v.numel() * v.element_size() for v in tensors.values()), f"{rank.folder} layer {layer}")
+        if pending is not None:
+            pending.result()
+    finally:
+        _drain(pending)
+        w.close()
+
+
+def _drain(pending) -> None:
+    """Never close a file under a write still running in the worker (after an error elsewhere)."""
+    if pending is not None:
+        wait([pending])
+
+
+def _write_chunk(w: StreamingWriter, tensors: dict[str, torch.Tensor], first: int) -> None:
+    for name, t in tensors.items():
+        if t.dim() == 0:
+            if first == 0:  # a per-layer scalar: written once
+                w.write(name, t)
+        else:
+            w.write(name, t, first)
+
+
+def write_common_file(ckpt: Checkpoint, f: OutFile, path: Path, pool, chunk_bytes: int = CHUNK_BYTES,
+                      tick: Progress | None = None) -> None:
+    """Copy non-expert tensors unchanged, in row chunks (memory bounded by ``chunk_bytes``)."""
+    w = StreamingWriter(path, [(n, ckpt.tensors[n].dtype, ckpt.tensors[n].shape) for n in f.sources])
+    pending = None
+    try:
+        for n in f.sources:
+            info = ckpt.tensors[n]
+            rows = info.shape[0] if info.shape else 0
+            step = max(1, chunk_bytes // max(1, info.nbytes // rows)) if rows else 0
+            parts = [(0, ckpt.read(n))] if not rows else ((a, ckpt.read(n, a, min(a + step, rows)))
+                                                          for a in range(0, rows, step))
+            for first, t in parts:
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(w.write, n, t, first)
+                if tick:
+                    tick(t.numel() * t.element_size(), f.path)
+        if pending is not None:
+            pending.result()
+    finally:
+        _drain(pending)
+        w.close()
+
+
 def _fingerprint(plan: Plan, ckpt: Checkpoint, args: dict) -> dict:
     """What must be unchanged for --resume to reuse finished files."""
     return {"tool": __version__, "source": str(ckpt.root.resolve()), "args": args,
@@ -138,7 +212,7 @@ def _fingerprint(plan: Plan, ckpt: Checkpoint, args: dict) -> dict:
 def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, placement: str = "contiguous",
             pad_multiple: int | None = None, max_shard_bytes: int | None = None, overwrite: bool = False,
             resume: bool = False, device: str = "cpu", progress: Progress | None = None,
-            dry_run: bool = False) -> ConvertResult | Plan:
+            dry_run: bool = False, chunk_bytes: int = CHUNK_BYTES) -> ConvertResult | Plan:
     """Convert checkpoint folder ``source`` into the artifact folder ``out`` (DESIGN.md).
 
     Plans and validates every header first; nothing is written before the plan holds. Each file
@@ -172,7 +246,8 @@ def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, plac
         scales: dict[int, tuple] = {}  # NVFP4 (a13, a2) per layer: read once, the same on every rank
         if not resume:
             check_free_space(out, plan.total_bytes)  # before anything is created
-        with OutputDir(out, _fingerprint(plan, ckpt, args), overwrite=overwrite, resume=resume) as od:
+        with OutputDir(out, _fingerprint(plan, ckpt, args), overwrite=overwrite, resume=resume) as od, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeshard-write") as pool:
             reused = {f.path: rec for r in plan.ranks for f in r.files if (rec := od.reusable(f.path))}
             reused.update({f.path: rec for f in plan.common if (rec := od.reusable(f.path))})
             if resume:
@@ -189,13 +264,8 @@ def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, plac
                         files[f.path] = reused[f.path]
                         tick(f.nbytes, f"{f.path} (reused)")
                         continue
-                    tensors = {}
-                    for layer in f.layers:
-                        tick(0, f"{r.folder} layer {layer}")
-                        tensors.update(rank_layer_tensors(plan, ckpt, adapter, layer, r, device, scales.get(layer)))
-                    files[f.path] = od.write(f.path, lambda tmp, t=tensors: write_safetensors(tmp, t, atomic=False))
-                    tick(f.nbytes, f.path)
-                    del tensors
+                    files[f.path] = od.write(f.path, lambda tmp, r=r, f=f: write_rank_file(
+                        plan, ckpt, adapter, r, f, tmp, pool, device, scales, chunk_bytes, tick))
                 files[f"{r.folder}/{INDEX_NAME}"] = od.write_text(
                     f"{r.folder}/{INDEX_NAME}", json_text(index_doc(weight_map, sum(f.nbytes for f in r.files))))
             weight_map = {}
@@ -205,10 +275,8 @@ def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, plac
                     files[f.path] = reused[f.path]
                     tick(f.nbytes, f"{f.path} (reused)")
                     continue
-                tensors = {n: ckpt.read(n) for n in f.sources}
-                files[f.path] = od.write(f.path, lambda tmp, t=tensors: write_safetensors(tmp, t, atomic=False))
-                tick(f.nbytes, f.path)
-                del tensors
+                files[f.path] = od.write(f.path, lambda tmp, f=f: write_common_file(ckpt, f, tmp, pool, chunk_bytes,
+                                                                                      tick))
             files[f"common/{INDEX_NAME}"] = od.write_text(
                 f"common/{INDEX_NAME}", json_text(index_doc(weight_map, sum(f.nbytes for f in plan.common))))
             for name in plan.copied:

@@ -1,0 +1,139 @@
+"""Conversion speed and memory on real layer sizes, side by side in one run (CPU).
+
+For each case a real-size fixture is generated on the spot, then measured one after another:
+
+- ``cp``: ``cp -r`` of the source folder plus ``sync`` (the physical limit on this machine);
+- ``moeshard``: ``python -m moeshard convert SRC -o OUT --ep-size 8`` (fsyncs every file);
+- ``per-expert loop``: what serving engines run today, over the same MoE layers: the layer read
+  whole, then FlashInfer's index helpers with their cache applied one expert at a time (vLLM's
+  GPT-OSS / ModelOpt NVFP4 preparation), scales interleaved per expert; nothing written.
+
+Each runs as a child process whose /proc status is sampled every 20 ms: peak RssAnon (anonymous
+memory) and peak RssFile (file pages mapped, e.g. safetensors' mmap) are reported separately.
+Prints a table and writes it as JSON.
+
+    python bench/convert_cpu.py --work /tmp/moeshard-bench --json-out bench-convert.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = {
+    "gpt-oss-120b x2": ("gpt-oss", "gpt-oss-120b", 2),
+    "gpt-oss-120b x8": ("gpt-oss", "gpt-oss-120b", 8),
+    "deepseek-r1 x3": ("deepseek-r1-fp4", "deepseek-r1", 3),
+}
+
+LOOP = r'''
+import sys, time, torch
+sys.path.insert(0, sys.argv[2])
+from _reference import vllm_gpt_oss_trtllm, vllm_nvfp4_trtllm
+from moeshard.convert.families import detect
+from moeshard.convert.source import Checkpoint
+from moeshard.layouts.scales import interleave_scales_128x4
+per_expert = lambda s: interleave_scales_128x4(s[None]).flatten()
+with Checkpoint(sys.argv[1]) as ck:
+    a = detect(ck); spec = a.spec(ck)
+    for layer in spec.moe_layers:
+        p = spec.prefix(layer)
+        if spec.family.value == "gpt-oss":
+            rd = lambda leaf: ck.read(f"{p}.{leaf}")
+            vllm_gpt_oss_trtllm(rd("gate_up_proj_blocks"), rd("gate_up_proj_scales"), rd("gate_up_proj_bias"),
+                                rd("down_proj_blocks"), rd("down_proj_scales"), rd("down_proj_bias"), 3072, 3072,
+                                interleave=per_expert)
+        else:
+            c = a.read_experts(ck, spec, layer, 0, spec.num_experts)
+            a13, a2 = a.input_scales(ck, spec, layer)
+            vllm_nvfp4_trtllm(c.w13, c.w13_scale, c.w2, c.w2_scale, c.w13_scale_2, c.w2_scale_2, a13, a2,
+                              interleave=per_expert)
+    print(ck.bytes_read)
+'''
+
+
+def sample(cmd: list[str], env: dict | None = None) -> dict:
+    """Run cmd, sampling its /proc status; seconds, peak anon/file RSS in MB, stdout."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peak = {"RssAnon": 0, "RssFile": 0}
+    while p.poll() is None:
+        try:
+            for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+                k, _, v = line.partition(":")
+                if k in peak:
+                    peak[k] = max(peak[k], int(v.split()[0]))
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    out, err = p.communicate()
+    if p.returncode:
+        raise RuntimeError(f"{cmd} failed: {err[-2000:]}")
+    return {"seconds": time.perf_counter() - t0, "anon_mb": peak["RssAnon"] / 1024, "file_mb": peak["RssFile"] / 1024,
+            "stdout": out}
+
+
+def folder_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"])
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass  # not permitted here: both cp and moeshard then read a warm page cache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/moeshard-bench"))
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--json-out", type=Path, default=None)
+    a = ap.parse_args()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    rows = []
+    for case in a.cases.split(","):
+        family, preset, layers = CASES[case]
+        src = a.work / case.replace(" ", "-")
+        shutil.rmtree(a.work, ignore_errors=True)
+        a.work.mkdir(parents=True)
+        subprocess.run([sys.executable, "-m", "moeshard", "fixture", family, "--preset", preset, "--layers",
+                        str(layers), "-o", str(src)], check=True, env=env, capture_output=True)
+        size = folder_bytes(src)
+        drop_caches()
+        cp = sample(["sh", "-c", f"cp -r '{src}' '{a.work / 'cp'}' && sync"])
+        shutil.rmtree(a.work / "cp")
+        drop_caches()
+        ms = sample([sys.executable, "-m", "moeshard", "convert", str(src), "-o", str(a.work / "out"), "--ep-size", "8",
+                     "--json"], env)
+        written = json.loads(ms["stdout"])["bytes_written"]
+        shutil.rmtree(a.work / "out")
+        drop_caches()
+        loop = sample([sys.executable, "-c", LOOP, str(src), str(ROOT / "tests")], env)
+        expert_bytes = int(loop["stdout"].split()[-1])
+        for name, r, nbytes in (("cp", cp, size), ("moeshard convert --ep-size 8", ms, written),
+                                ("per-expert loop (no write)", loop, expert_bytes)):
+            rows.append({"case": case, "method": name, "seconds": round(r["seconds"], 2),
+                         "gb": round(nbytes / 1e9, 2), "gb_per_s": round(nbytes / r["seconds"] / 1e9, 3),
+                         "vs_cp": round(r["seconds"] / cp["seconds"], 2), "peak_anon_mb": round(r["anon_mb"]),
+                         "peak_file_mb": round(r["file_mb"])})
+        shutil.rmtree(a.work)
+        print(f"{case}: done", file=sys.stderr)
+    cols = list(rows[0])
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in cols))
+    if a.json_out:
+        a.json_out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
