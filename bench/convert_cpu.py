@@ -80,6 +80,15 @@ def sample(cmd: list[str], env: dict | None = None) -> dict:
             "stdout": out}
 
 
+def median(runs: list[dict]) -> dict:
+    """The run of median time, with the largest peak memory seen over all runs."""
+    r = dict(sorted(runs, key=lambda x: x["seconds"])[len(runs) // 2])
+    r["anon_mb"] = max(x["anon_mb"] for x in runs)
+    r["file_mb"] = max(x["file_mb"] for x in runs)
+    r["all_seconds"] = [round(x["seconds"], 2) for x in runs]
+    return r
+
+
 def folder_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
@@ -97,6 +106,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/moeshard-bench"))
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds; the median is reported")
     a = ap.parse_args()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     rows = []
@@ -108,20 +118,23 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "moeshard", "fixture", family, "--preset", preset, "--layers",
                         str(layers), "-o", str(src)], check=True, env=env, capture_output=True)
         size = folder_bytes(src)
-        drop_caches()
-        cp = sample(["sh", "-c", f"cp -r '{src}' '{a.work / 'cp'}' && sync"])
-        shutil.rmtree(a.work / "cp")
-        drop_caches()
-        ms = sample([sys.executable, "-m", "moeshard", "convert", str(src), "-o", str(a.work / "out"), "--ep-size", "8",
-                     "--json"], env)
+        runs: dict[str, list[dict]] = {"cp": [], "ms": [], "loop": []}
+        for _ in range(a.repeats):  # alternate, so that a noisy disk hits every method alike
+            drop_caches()
+            runs["cp"].append(sample(["sh", "-c", f"cp -r '{src}' '{a.work / 'cp'}' && sync"]))
+            shutil.rmtree(a.work / "cp")
+            drop_caches()
+            runs["ms"].append(sample([sys.executable, "-m", "moeshard", "convert", str(src), "-o", str(a.work / "out"),
+                                      "--ep-size", "8", "--json"], env))
+            shutil.rmtree(a.work / "out")
+            drop_caches()
+            runs["loop"].append(sample([sys.executable, "-c", LOOP, str(src), str(ROOT / "tests")], env))
+        cp, ms, loop = (median(runs[k]) for k in ("cp", "ms", "loop"))
         written = json.loads(ms["stdout"])["bytes_written"]
-        shutil.rmtree(a.work / "out")
-        drop_caches()
-        loop = sample([sys.executable, "-c", LOOP, str(src), str(ROOT / "tests")], env)
         expert_bytes = int(loop["stdout"].split()[-1])
         for name, r, nbytes in (("cp", cp, size), ("moeshard convert --ep-size 8", ms, written),
                                 ("per-expert loop (no write)", loop, expert_bytes)):
-            rows.append({"case": case, "method": name, "seconds": round(r["seconds"], 2),
+            rows.append({"case": case, "method": name, "seconds": round(r["seconds"], 2), "runs": r["all_seconds"],
                          "gb": round(nbytes / 1e9, 2), "gb_per_s": round(nbytes / r["seconds"] / 1e9, 3),
                          "vs_cp": round(r["seconds"] / cp["seconds"], 2), "peak_anon_mb": round(r["anon_mb"]),
                          "peak_file_mb": round(r["file_mb"])})

@@ -7,4 +7,11 @@ __version__ = "0.1.0"
 
 from moeshard.errors import MoeshardError
 
-__all__ = ["MoeshardError", "__version__"]
+__all__ = ["MoeshardError", "__version__", "load_rank"]
+
+
+def load_rank(*args, **kwargs):
+    """See :func:`moeshard.load.load_rank` (imported lazily: torch loads only when used)."""
+    from moeshard.load import load_rank as _load_rank
+
+    return _load_rank(*args, **kwargs)

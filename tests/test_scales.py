@@ -41,3 +41,21 @@ def test_keeps_fp8_label_and_padding_is_zero():
     out = interleave_scales_128x4(sf)
     assert out.dtype == torch.float8_e4m3fn and out.shape == (1, 128, 4)
     assert int(out.view(torch.uint8).count_nonzero()) == 300
+
+
+@pytest.mark.parametrize("h,i,hp,ip", [(160, 224, 256, 256), (192, 96, 256, 128), (256, 128, 256, 128),
+                                       (2880 // 9, 2880 // 9, 384, 384)])
+def test_fused_padding_equals_pad_then_layout(h, i, hp, ip):
+    from moeshard.layouts.canonical import CanonicalExperts, pad_experts
+    from moeshard.layouts.trtllm import to_trtllm, to_trtllm_padded
+
+    g = torch.Generator().manual_seed(h + i)
+    sf = 32 if h % 32 == 0 and i % 32 == 0 else 16
+    r = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, generator=g)  # noqa: E731
+    c = CanonicalExperts(r(3, 2 * i, h // 2), r(3, 2 * i, h // sf), r(3, h, i // 2), r(3, h, i // sf),
+                         torch.randn(3, 2 * i, generator=g), torch.randn(3, h, generator=g))
+    want = to_trtllm(pad_experts(c, hp, ip))
+    got = to_trtllm_padded(c, hp, ip)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k

@@ -49,11 +49,13 @@ os.umask(_UMASK)
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Header facts of one tensor: its file (relative to the checkpoint), dtype code and shape."""
+    """Header facts of one tensor: its file (relative to the checkpoint), dtype code, shape, and
+    the file offset of its first byte (-1 if unknown)."""
 
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -78,12 +80,14 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         (n,) = struct.unpack("<Q", head)
         if n + 8 > size:
             raise MoeshardError(f"{path}: truncated safetensors header: header says {n} bytes, file has {size - 8}")
+        raw = f.read(n)
     try:
         out = {}
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="pt") as f:  # safetensors validates the header and the offsets
+            header = json.loads(raw)
             for k in f.keys():
                 s = f.get_slice(k)
-                out[k] = TensorInfo(path.name, s.get_dtype(), tuple(s.get_shape()))
+                out[k] = TensorInfo(path.name, s.get_dtype(), tuple(s.get_shape()), 8 + n + header[k]["data_offsets"][0])
         return out
     except (SafetensorError, OSError, ValueError) as e:
         raise MoeshardError(f"{path}: unreadable safetensors file: {e}") from None

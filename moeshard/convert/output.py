@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moeshard.convert.io import sha256_file, write_json
@@ -62,7 +63,8 @@ class OutputDir:
         self.fingerprint = fingerprint
         self.overwrite, self.resume = overwrite, resume
         self.done: dict[str, dict] = {}
-        self.written = 0  # files written by this run
+        self._pending: list = []  # background fsync + rename + hash + journal, one per written file
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeshard-finish")
         self._lock = None
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -100,6 +102,7 @@ class OutputDir:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._finisher.shutdown(wait=True)
         self._remove_tmp()
         self._release()
 
@@ -140,33 +143,52 @@ class OutputDir:
             return None
         return rec if sha256_file(path) == rec["sha256"] else None
 
-    def write(self, rel: str, writer) -> dict:
-        """Write ``out/rel`` through ``writer(tmp_path)``, fsync, rename, journal; return its record."""
+    def write(self, rel: str, writer) -> None:
+        """Write ``out/rel`` through ``writer(tmp_path)``; then, in a background thread while the
+        caller goes on with the next file: fsync, rename into place, sha256, journal.
+        :meth:`records` waits for those and returns every finished file's record."""
         path = self.out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         try:
             writer(tmp)
-            _maybe_fault(self.written, tmp)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise self._write_error(path, e) from None
+        if os.environ.get(FAULT_ENV):  # crash tests: let the finished files reach the journal first
+            for fut in self._pending:
+                fut.result()
+            _maybe_fault(len(self._pending), tmp)
+        self._pending.append(self._finisher.submit(self._finish_file, rel, tmp, path))
+
+    def _finish_file(self, rel: str, tmp: Path, path: Path) -> None:
+        try:
             fsync_path(tmp)
             os.replace(tmp, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            hint = " (disk full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-            raise MoeshardError(f"{path}: write failed{hint}: {e.strerror or e}; no manifest was written, the "
-                                "files finished so far are kept: free space and rerun with --resume") from None
+            raise self._write_error(path, e) from None
         rec = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
         with open(self.out / STATE_DIR / "journal.jsonl", "a") as j:
             j.write(json.dumps({"path": rel, **rec}) + "\n")
             j.flush()
             os.fsync(j.fileno())
         self.done[rel] = rec
-        self.written += 1
-        return rec
 
-    def write_text(self, rel: str, text: str) -> dict:
+    @staticmethod
+    def _write_error(path: Path, e: OSError) -> MoeshardError:
+        hint = " (disk full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        return MoeshardError(f"{path}: write failed{hint}: {e.strerror or e}; no manifest was written, the files "
+                             "finished so far are kept: free space and rerun with --resume")
+
+    def records(self) -> dict[str, dict]:
+        """Size and sha256 of every file finished (this run's and reused ones), once all are on disk."""
+        for fut in self._pending:
+            fut.result()
+        return dict(self.done)
+
+    def write_text(self, rel: str, text: str) -> None:
         """A small text file (index), written and journaled like the others."""
-        return self.write(rel, lambda tmp: tmp.write_text(text))
+        self.write(rel, lambda tmp: tmp.write_text(text))
 
     def finish(self, manifest: dict) -> None:
         """Write the manifest (last), then drop the journal and the lock file."""

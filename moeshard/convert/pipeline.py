@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -20,8 +22,8 @@ from moeshard.convert.output import OutputDir, check_free_space
 from moeshard.convert.plan import PLACEMENT_ENGINES, OutFile, Plan, RankPlan, make_plan
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
-from moeshard.layouts.canonical import CanonicalExperts, concat_experts, pad_experts, slice_intermediate
-from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, nvfp4_scalars, swiglu_oai_scalars, to_trtllm
+from moeshard.layouts.canonical import CanonicalExperts, concat_experts, slice_intermediate
+from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, nvfp4_scalars, swiglu_oai_scalars, to_trtllm_padded
 
 Progress = Callable[[int, str], None]
 
@@ -75,14 +77,13 @@ def rank_layer_tensors(plan: Plan, ckpt: Checkpoint, adapter, layer: int, rank: 
     c = read_rank_experts(adapter, ckpt, spec, layer, experts, rank.i_start, rank.i_stop, rank.tp_rank)
     if device != "cpu":
         c = c.replace(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in c.__dict__.items()})
-    c = pad_experts(c, plan.hidden_size_padded, plan.intermediate_size_padded)
-    t = to_trtllm(c, plan.epilogue_tile_m)
+    t = to_trtllm_padded(c, plan.hidden_size_padded, plan.intermediate_size_padded, plan.epilogue_tile_m)
     if spec.activation["type"] == "swiglu_oai":
         a = spec.activation
         t.update(swiglu_oai_scalars(len(experts), a["limit"], a["alpha"], a["beta"]))
     if spec.quant_format is QuantFormat.NVFP4:
         a13, a2 = input_scales if input_scales is not None else adapter.input_scales(ckpt, spec, layer)
-        t.update(nvfp4_scalars(c.w13_scale_2, c.w2_scale_2, a13, a2))
+        t.update(nvfp4_scalars(c.w13_scale_2, c.w2_scale_2, a13.to(c.w13.device), a2.to(c.w13.device)))
     p = spec.prefix(layer)
     return {f"{p}.{k}": v.cpu() for k, v in t.items()}
 
@@ -143,7 +144,7 @@ def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter, rank: RankPlan, f: Ou
     worker thread while the next one is read and transformed."""
     planned = [t for layer in f.layers for t in plan.layer_tensors(layer, len(rank.experts))]
     w = StreamingWriter(path, [(t.name, t.dtype, t.shape) for t in planned])
-    pending = None
+    pending: list = []  # at most two chunks in flight: one being written, one waiting
     try:
         for layer in f.layers:
             per_expert = sum(t.nbytes for t in plan.layer_tensors(layer, 1))
@@ -151,22 +152,16 @@ def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter, rank: RankPlan, f: Ou
             for k in range(0, len(rank.experts), step):
                 chunk = rank.experts[k:k + step]
                 tensors = rank_layer_tensors(plan, ckpt, adapter, layer, rank, device, (scales or {}).get(layer), chunk)
-                if pending is not None:
-                    pending.result()
-                pending = pool.submit(_write_chunk, w, tensors, k)
+                while len(pending) >= 2:
+                    pending.pop(0).result()
+                pending.append(pool.submit(_write_chunk, w, tensors, k))
                 if tick:
                     tick(sum(v.numel() * v.element_size() for v in tensors.values()), f"{rank.folder} layer {layer}")
-        if pending is not None:
-            pending.result()
+        for fut in pending:
+            fut.result()
     finally:
-        _drain(pending)
+        wait(pending)  # never close the file under a write still running (after an error elsewhere)
         w.close()
-
-
-def _drain(pending) -> None:
-    """Never close a file under a write still running in the worker (after an error elsewhere)."""
-    if pending is not None:
-        wait([pending])
 
 
 def _write_chunk(w: StreamingWriter, tensors: dict[str, torch.Tensor], first: int) -> None:
@@ -180,27 +175,41 @@ def _write_chunk(w: StreamingWriter, tensors: dict[str, torch.Tensor], first: in
 
 def write_common_file(ckpt: Checkpoint, f: OutFile, path: Path, pool, chunk_bytes: int = CHUNK_BYTES,
                       tick: Progress | None = None) -> None:
-    """Copy non-expert tensors unchanged, in row chunks (memory bounded by ``chunk_bytes``)."""
+    """Copy non-expert tensors unchanged: file to file in the kernel (``copy_file_range``, as
+    ``cp`` does), or in row chunks through memory where the file system cannot."""
     w = StreamingWriter(path, [(n, ckpt.tensors[n].dtype, ckpt.tensors[n].shape) for n in f.sources])
-    pending = None
     try:
         for n in f.sources:
             info = ckpt.tensors[n]
-            rows = info.shape[0] if info.shape else 0
-            step = max(1, chunk_bytes // max(1, info.nbytes // rows)) if rows else 0
-            parts = [(0, ckpt.read(n))] if not rows else ((a, ckpt.read(n, a, min(a + step, rows)))
-                                                          for a in range(0, rows, step))
-            for first, t in parts:
-                if pending is not None:
-                    pending.result()
-                pending = pool.submit(w.write, n, t, first)
-                if tick:
-                    tick(t.numel() * t.element_size(), f.path)
-        if pending is not None:
-            pending.result()
+            src_fd = os.open(ckpt.root / info.file, os.O_RDONLY)
+            try:
+                dst, left, src = w.data_start + w.offsets[n][0], info.nbytes, info.offset
+                while left:
+                    done = os.copy_file_range(src_fd, w.fd, min(left, chunk_bytes), src, dst)
+                    if done == 0:
+                        raise OSError(errno.EIO, f"{info.file} ended early")
+                    src, dst, left = src + done, dst + done, left - done
+                    if tick:
+                        tick(done, f.path)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                _copy_rows(ckpt, n, w, chunk_bytes)
+            finally:
+                os.close(src_fd)
     finally:
-        _drain(pending)
         w.close()
+
+
+def _copy_rows(ckpt: Checkpoint, name: str, w: StreamingWriter, chunk_bytes: int) -> None:
+    info = ckpt.tensors[name]
+    rows = info.shape[0] if info.shape else 0
+    if not rows:
+        w.write(name, ckpt.read(name))
+        return
+    step = max(1, chunk_bytes // max(1, info.nbytes // rows))
+    for a in range(0, rows, step):
+        w.write(name, ckpt.read(name, a, min(a + step, rows)), a)
 
 
 def _fingerprint(plan: Plan, ckpt: Checkpoint, args: dict) -> dict:
@@ -254,33 +263,30 @@ def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, plac
                 check_free_space(out, plan.total_bytes - sum(rec["bytes"] for rec in reused.values()))
             if spec.quant_format is QuantFormat.NVFP4:
                 scales = {layer: adapter.input_scales(ckpt, spec, layer) for layer in spec.moe_layers}
-            files: dict[str, dict] = {}
             for r in plan.ranks:
                 weight_map = {}
                 for f in r.files:
                     names = [t.name for layer in f.layers for t in plan.layer_tensors(layer, len(r.experts))]
                     weight_map.update({n: Path(f.path).name for n in names})
                     if f.path in reused:
-                        files[f.path] = reused[f.path]
                         tick(f.nbytes, f"{f.path} (reused)")
                         continue
-                    files[f.path] = od.write(f.path, lambda tmp, r=r, f=f: write_rank_file(
+                    od.write(f.path, lambda tmp, r=r, f=f: write_rank_file(
                         plan, ckpt, adapter, r, f, tmp, pool, device, scales, chunk_bytes, tick))
-                files[f"{r.folder}/{INDEX_NAME}"] = od.write_text(
+                od.write_text(
                     f"{r.folder}/{INDEX_NAME}", json_text(index_doc(weight_map, sum(f.nbytes for f in r.files))))
             weight_map = {}
             for f in plan.common:
                 weight_map.update({n: Path(f.path).name for n in f.sources})
                 if f.path in reused:
-                    files[f.path] = reused[f.path]
                     tick(f.nbytes, f"{f.path} (reused)")
                     continue
-                files[f.path] = od.write(f.path, lambda tmp, f=f: write_common_file(ckpt, f, tmp, pool, chunk_bytes,
-                                                                                      tick))
-            files[f"common/{INDEX_NAME}"] = od.write_text(
+                od.write(f.path, lambda tmp, f=f: write_common_file(ckpt, f, tmp, pool, chunk_bytes, tick))
+            od.write_text(
                 f"common/{INDEX_NAME}", json_text(index_doc(weight_map, sum(f.nbytes for f in plan.common))))
             for name in plan.copied:
-                files[name] = od.write(name, lambda tmp, n=name: shutil.copyfile(ckpt.root / n, tmp))
+                od.write(name, lambda tmp, n=name: shutil.copyfile(ckpt.root / n, tmp))
+            files = od.records()
             source_files = {name: {"bytes": (ckpt.root / name).stat().st_size} for name in ckpt.files}
             manifest = build_manifest(plan, files, source_files)
             od.finish(manifest)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from moeshard.errors import MoeshardError
+from moeshard.kernel import static_kernel_args
 from moeshard.quant import dequantize_nvfp4, quantize_nvfp4
 
 BLACKWELL = ((10, 0), (10, 3))
@@ -77,26 +78,9 @@ def trtllm_args(kt: dict[str, torch.Tensor], kernel_args: dict, rank: dict, hidd
     from flashinfer.tllm_enums import SfLayout
 
     nvfp4 = "output1_scale_scalar" in kt
-    args = dict(
-        routing_logits=logits.float(),
-        routing_bias=None if routing_bias is None else routing_bias.float(),
-        gemm1_weights=kt["gemm1_weights"], gemm1_weights_scale=kt["gemm1_weights_scale"],
-        gemm1_bias=kt.get("gemm1_bias"), gemm1_alpha=kt.get("gemm1_alpha"), gemm1_beta=kt.get("gemm1_beta"),
-        gemm1_clamp_limit=kt.get("gemm1_clamp_limit"),
-        gemm2_weights=kt["gemm2_weights"], gemm2_weights_scale=kt["gemm2_weights_scale"],
-        gemm2_bias=kt.get("gemm2_bias"),
-        output1_scale_scalar=kt.get("output1_scale_scalar"),
-        output1_scale_gate_scalar=kt.get("output1_scale_gate_scalar"),
-        output2_scale_scalar=kt.get("output2_scale_scalar"),
-        num_experts=kernel_args["num_experts"], top_k=kernel_args["top_k"],
-        n_group=kernel_args.get("n_group"), topk_group=kernel_args.get("topk_group"),
-        intermediate_size=kernel_args["intermediate_size"],
-        local_expert_offset=rank["local_expert_offset"], local_num_experts=rank["local_num_experts"],
-        routed_scaling_factor=kernel_args.get("routed_scaling_factor"),
-        routing_method_type=kernel_args["routing_method_type"],
-        activation_type=kernel_args.get("activation_type", 3),
-        do_finalize=True,
-    )
+    args = static_kernel_args(kt, kernel_args, rank)
+    args.update(routing_logits=logits.float(),
+                routing_bias=None if routing_bias is None else routing_bias.float())
     if nvfp4:
         packed, sf, deq = quantize_hidden_states(hidden, kt["hidden_states_scale_global"])
         args.update(hidden_states=packed, hidden_states_scale=sf, hidden_states_scale_layout=SfLayout.layout_linear)

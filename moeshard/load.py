@@ -1,0 +1,171 @@
+"""``moeshard.load_rank``: one rank of an artifact, on the GPU, ready for FlashInfer's kernel.
+
+Each of the rank's files is read once, in large sequential reads, into two alternating pinned
+host buffers whose contents are copied to one device buffer per file while the next chunk is
+read; tensors are views into that buffer (the writer aligns every tensor to its element size).
+Nothing is parsed or transformed per tensor: the bytes are already in kernel layout.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moeshard.convert.io import DTYPES
+from moeshard.convert.manifest import read_manifest
+from moeshard.errors import MoeshardError
+from moeshard.kernel import static_kernel_args
+from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION
+
+CHUNK = 64 << 20
+
+
+@dataclass
+class MoeLayer:
+    """One MoE layer of one rank.
+
+    ``tensors`` maps FlashInfer parameter names (``gemm1_weights`` ... ``output2_scale_scalar``,
+    and ``hidden_states_scale_global`` for NVFP4) to tensors on the device; ``args`` holds the
+    scalar arguments (``num_experts``, ``top_k``, ``n_group``, ``topk_group``,
+    ``intermediate_size``, ``local_expert_offset``, ``local_num_experts``,
+    ``routed_scaling_factor``, ``routing_method_type``, ``activation_type``); ``router`` names the
+    router tensors in ``common/`` (``weight``; ``correction_bias`` = the kernel's
+    ``routing_bias`` for DeepSeek; ``bias`` = GPT-OSS's router bias, added to the logits).
+    """
+
+    layer: int
+    prefix: str
+    tensors: dict[str, torch.Tensor]
+    args: dict
+    router: dict[str, str]
+    hidden_size: int  # pad hidden states to this (zeros); valid_hidden_size columns are real
+    valid_hidden_size: int
+
+    def kernel_kwargs(self, routing_logits: torch.Tensor, hidden_states: torch.Tensor,
+                      hidden_states_scale: torch.Tensor | None = None, routing_bias: torch.Tensor | None = None
+                      ) -> dict:
+        """All keyword arguments of ``flashinfer.fused_moe.trtllm_fp4_block_scale_moe``."""
+        kw = static_kernel_args(self.tensors, self.args, self.args)
+        kw.update(routing_logits=routing_logits, routing_bias=routing_bias, hidden_states=hidden_states,
+                  hidden_states_scale=hidden_states_scale)
+        return kw
+
+
+@dataclass
+class RankWeights:
+    """What :func:`load_rank` returns: the rank's MoE layers and where everything else is."""
+
+    artifact: Path
+    rank: int
+    ep_rank: int
+    tp_rank: int
+    experts: list[int]
+    layers: dict[int, MoeLayer]
+    common_folder: Path  # every non-expert tensor, unchanged (HF sharded safetensors + index)
+    manifest: dict = field(repr=False)
+    bytes_read: int = 0
+
+
+def _flashinfer_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("flashinfer-python")
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def read_file_to(path: Path, device: str | torch.device, chunk: int = CHUNK) -> tuple[dict, torch.Tensor]:
+    """Header and data buffer (uint8, on ``device``) of one safetensors file, read sequentially.
+
+    On CUDA, chunks go through two pinned buffers; the copy of one overlaps the read of the next.
+    """
+    with open(path, "rb", buffering=0) as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        size = path.stat().st_size - 8 - n
+        device = torch.device(device)
+        if device.type != "cuda":
+            buf = torch.empty(size, dtype=torch.uint8)
+            f.readinto(memoryview(buf.numpy()))
+            return header, buf
+        out = torch.empty(size, dtype=torch.uint8, device=device)
+        pinned = [torch.empty(min(chunk, max(size, 1)), dtype=torch.uint8).pin_memory() for _ in range(2)]
+        done = [torch.cuda.Event(), torch.cuda.Event()]
+        stream = torch.cuda.current_stream(device)
+        for i, off in enumerate(range(0, size, chunk)):
+            k = i % 2
+            done[k].synchronize()  # the copy that last used this pinned buffer has finished
+            m = min(chunk, size - off)
+            view = memoryview(pinned[k].numpy())[:m]
+            got = 0
+            while got < m:
+                got += f.readinto(view[got:])
+            out[off:off + m].copy_(pinned[k][:m], non_blocking=True)
+            done[k].record(stream)
+        torch.cuda.current_stream(device).synchronize()
+        return header, out
+
+
+def _views(header: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, h in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = h["data_offsets"]
+        dtype = DTYPES[h["dtype"]]
+        t = buf[a:b]
+        t = t.view(dtype) if a % dtype.itemsize == 0 else t.clone().view(dtype)  # files of other writers
+        out[name] = t.view(h["shape"])
+    return out
+
+
+def load_rank(artifact: Path | str, rank: int, device: str | torch.device = "cuda", *,
+              check_flashinfer: bool = True) -> RankWeights:
+    """Load rank ``rank`` of a moeshard artifact onto ``device``, reading only that rank's files.
+
+    Checks the manifest's layout (name and version) against this moeshard, and the FlashInfer
+    the artifact was made for against the installed one (``check_flashinfer=False`` skips that).
+    Returns the rank's MoE layers with their kernel tensors and arguments; see
+    :meth:`MoeLayer.kernel_kwargs`.
+    """
+    artifact = Path(artifact)
+    m = read_manifest(artifact)
+    lay = m["layout"]
+    if (lay["name"], lay["version"]) != (LAYOUT_NAME, LAYOUT_VERSION):
+        raise MoeshardError(f"{artifact / 'moeshard.json'}: layout: expected {LAYOUT_NAME} version {LAYOUT_VERSION}, "
+                            f"found {lay['name']} version {lay['version']}; convert the checkpoint again with this "
+                            "moeshard")
+    made_for, installed = m["tool"].get("flashinfer"), _flashinfer_version()
+    if check_flashinfer and made_for and installed and made_for != installed:
+        raise MoeshardError(f"{artifact / 'moeshard.json'}: made for flashinfer-python {made_for}, found {installed} "
+                            "installed; its kernels may expect another layout: convert again, or pass "
+                            "check_flashinfer=False if you know the layout is unchanged")
+    info = next((r for r in m["ranks"] if r["rank"] == rank), None)
+    if info is None:
+        raise MoeshardError(f"{artifact}: no rank {rank} (ranks: {[r['rank'] for r in m['ranks']]})")
+    tensors: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    for f in info["files"]:
+        path = artifact / f["path"]
+        if not path.is_file() or path.stat().st_size != f["bytes"]:
+            raise MoeshardError(f"{path}: missing or of the wrong size (expected {f['bytes']} bytes); "
+                                "moeshard verify checks the artifact")
+        header, buf = read_file_to(path, device)
+        tensors.update(_views(header, buf))
+        nbytes += f["bytes"]
+    layers = {}
+    for entry in m["moe_layers"]:
+        p = entry["prefix"]
+        lt = {k[len(p) + 1:]: v for k, v in tensors.items() if k.startswith(p + ".")}
+        args = {**entry["kernel_args"], "local_expert_offset": info["local_expert_offset"],
+                "local_num_experts": info["local_num_experts"]}
+        layers[entry["layer"]] = MoeLayer(entry["layer"], p, lt, args, {k: v.format(layer=entry["layer"])
+                                                                        for k, v in m["router"].items()},
+                                          m["padding"]["hidden_size_padded"], m["padding"]["hidden_size"])
+    return RankWeights(artifact, rank, info["ep_rank"], info["tp_rank"], info["experts"], layers,
+                       artifact / m["common"]["folder"], m, nbytes)
