@@ -1,0 +1,141 @@
+"""On a CUDA GPU: time-to-ready of one rank (EP 8, rank 3) of real-size gpt-oss-120b layers.
+
+(a) ``moeshard.load_rank`` from the converted artifact;
+(b) what engines do today: read that rank's experts from the source shards and prepare them on
+    the GPU with FlashInfer's per-expert helpers and index cache (vLLM's GPT-OSS path);
+(c) the machine's limit for (a)'s bytes: reading them from disk into pinned memory, and copying
+    pinned memory to the GPU, each timed alone; with perfect overlap the limit is the larger.
+Cold runs drop the page cache first when the kernel allows it (the table says whether it did).
+
+    python bench/load_gpu.py --work /tmp/load-bench --layers 4 --json-out load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from transform_gpu import per_expert_loop  # noqa: E402
+
+import moeshard  # noqa: E402
+from moeshard.convert.manifest import read_manifest  # noqa: E402
+from moeshard.convert.pipeline import convert  # noqa: E402
+from moeshard.convert.source import Checkpoint  # noqa: E402
+from moeshard.fixtures import fixture  # noqa: E402
+
+RANK, EP = 3, 8
+
+
+def drop_caches() -> bool:
+    subprocess.run(["sync"])
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def engines_today(src: Path, experts: list[int], cache: dict) -> tuple[float, int]:
+    """Read the rank's experts from the source shards, prepare them on the GPU, per expert."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with Checkpoint(src) as ck:
+        e0, e1 = experts[0], experts[-1] + 1
+        for layer in range(ck.config["num_hidden_layers"]):
+            p = f"model.layers.{layer}.mlp.experts"
+            rd = lambda leaf: ck.read(f"{p}.{leaf}", e0, e1).cuda(non_blocking=False)  # noqa: E731
+            e, hp, ip = e1 - e0, 3072, 3072
+            h = i = 2880
+            w13 = torch.zeros(e, 2 * ip, hp // 2, dtype=torch.uint8, device="cuda")
+            s13 = torch.zeros(e, 2 * ip, hp // 32, dtype=torch.uint8, device="cuda")
+            b13 = torch.zeros(e, 2 * ip, device="cuda")
+            w2 = torch.zeros(e, hp, ip // 2, dtype=torch.uint8, device="cuda")
+            s2 = torch.zeros(e, hp, ip // 32, dtype=torch.uint8, device="cuda")
+            b2 = torch.zeros(e, hp, device="cuda")
+            w13[:, : 2 * i, : h // 2] = rd("gate_up_proj_blocks").flatten(-2)
+            s13[:, : 2 * i, : h // 32] = rd("gate_up_proj_scales")
+            b13[:, : 2 * i] = rd("gate_up_proj_bias").float()
+            w2[:, :h, : i // 2] = rd("down_proj_blocks").flatten(-2)
+            s2[:, :h, : i // 32] = rd("down_proj_scales")
+            b2[:, :h] = rd("down_proj_bias").float()
+            per_expert_loop(w13, s13, b13, w2, s2, b2, cache)
+        nbytes = ck.bytes_read
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, nbytes
+
+
+def limit(files: list[Path], chunk: int = 64 << 20) -> tuple[float, float]:
+    """Seconds to read the files into pinned memory, and to copy that much pinned memory to the GPU."""
+    total = sum(f.stat().st_size for f in files)
+    pinned = torch.empty(chunk, dtype=torch.uint8).pin_memory()
+    t0 = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(memoryview(pinned.numpy())):
+                pass
+    t_read = time.perf_counter() - t0
+    dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for off in range(0, total, chunk):
+        m = min(chunk, total - off)
+        dev[off:off + m].copy_(pinned[:m], non_blocking=True)
+    torch.cuda.synchronize()
+    return t_read, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/moeshard-load-bench"))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--json-out", type=Path, default=None)
+    a = ap.parse_args()
+    src, out = a.work / "src", a.work / "out"
+    if not src.exists():
+        fixture("gpt-oss", "gpt-oss-120b", src, layers=a.layers)
+    if not (out / "moeshard.json").exists():
+        convert(src, out, ep_size=EP, overwrite=True)
+    info = read_manifest(out)["ranks"][RANK]
+    files = [out / f["path"] for f in info["files"]]
+    rows = []
+    for state in ("cold", "warm"):
+        dropped = drop_caches() if state == "cold" else None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rw = moeshard.load_rank(out, RANK, device="cuda")
+        torch.cuda.synchronize()
+        t_a = time.perf_counter() - t0
+        if state == "cold":
+            drop_caches()
+        t_read, t_h2d = limit(files)
+        if state == "cold":
+            drop_caches()
+        cache: dict = {} if state == "cold" else warm_cache
+        t_b, b_bytes = engines_today(src, info["experts"], cache)
+        warm_cache = cache
+        lim = max(t_read, t_h2d)
+        rows.append({"cache": state, "page_cache_dropped": dropped, "a_load_rank_s": round(t_a, 3),
+                     "a_bytes_gb": round(rw.bytes_read / 1e9, 3), "b_engines_today_s": round(t_b, 3),
+                     "b_bytes_gb": round(b_bytes / 1e9, 3), "c_read_pinned_s": round(t_read, 3),
+                     "c_h2d_s": round(t_h2d, 3), "a_over_limit": round(t_a / lim, 2), "a_over_b": round(t_a / t_b, 2)})
+        del rw
+    print(f"gpt-oss-120b, {a.layers} layers, EP {EP} rank {RANK} ({len(info['experts'])} experts), "
+          f"{torch.cuda.get_device_name()}")
+    cols = list(rows[0])
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in cols))
+    if a.json_out:
+        a.json_out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
