@@ -155,6 +155,8 @@ def convert(
         res = run(source, output, ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
                   max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite, resume=resume, device=device,
                   progress=tick)
+    if res.manifest is None:  # a torchrun process other than 0: process 0 reports
+        return
     m = res.manifest
     summary = {"output": str(res.out), "family": m["family"], "ranks": len(m["ranks"]), "ep_size": m["ep_size"],
                "tp_size": m["tp_size"], "placement": m["placement"],

@@ -58,10 +58,14 @@ def fsync_path(path: Path) -> None:
 class OutputDir:
     """Owns ``out`` while a conversion writes it (use as a context manager)."""
 
-    def __init__(self, out: Path, fingerprint: dict, *, overwrite: bool, resume: bool):
+    def __init__(self, out: Path, fingerprint: dict, *, overwrite: bool, resume: bool, process: int | None = None):
+        """``process`` is this process's number when several convert together (torchrun): process
+        0 locks and prepares the folder; the others only write their files and their journal."""
         self.out = Path(out)
         self.fingerprint = fingerprint
         self.overwrite, self.resume = overwrite, resume
+        self.process = process
+        self.journal = "journal.jsonl" if process is None else f"journal-{process}.jsonl"
         self.done: dict[str, dict] = {}
         self._pending: list = []  # background fsync + rename + hash + journal, one per written file
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeshard-finish")
@@ -69,6 +73,10 @@ class OutputDir:
 
     # -- life cycle ---------------------------------------------------------------------------
     def __enter__(self) -> "OutputDir":
+        if self.process:  # a follower: process 0 has locked and prepared the folder
+            if self.resume:
+                self._load_journal(self.out / STATE_DIR)
+            return self
         out = self.out
         if out.exists() and not out.is_dir():
             raise MoeshardError(f"{out}: exists and is not a folder")
@@ -125,8 +133,7 @@ class OutputDir:
             self._release()
             raise MoeshardError(f"{self.out}: --resume: the interrupted conversion used other sources or arguments "
                                 f"({state / 'fingerprint.json'}); rerun with the same ones, or --overwrite")
-        journal = state / "journal.jsonl"
-        if journal.is_file():
+        for journal in sorted(state.glob("journal*.jsonl")):
             for line in journal.read_text().splitlines():
                 try:
                     rec = json.loads(line)
@@ -168,7 +175,7 @@ class OutputDir:
         except OSError as e:
             raise self._write_error(path, e) from None
         rec = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-        with open(self.out / STATE_DIR / "journal.jsonl", "a") as j:
+        with open(self.out / STATE_DIR / self.journal, "a") as j:
             j.write(json.dumps({"path": rel, **rec}) + "\n")
             j.flush()
             os.fsync(j.fileno())

@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import ExitStack
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moeshard import __version__
+from moeshard.convert.distributed import Group
 from moeshard.convert.families import QuantFormat, detect
 from moeshard.convert.io import DTYPE_CODES, INDEX_NAME, index_doc, json_text
 from moeshard.convert.writer import StreamingWriter
@@ -228,14 +230,26 @@ def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, plac
     is written under a temporary name and renamed; the manifest is written last. ``resume``
     reuses the files an interrupted run finished (checked by size and sha256); the result is
     byte-identical to an uninterrupted run. With ``dry_run`` returns the :class:`Plan` and
-    writes nothing.
+    writes nothing. Under ``torchrun`` the output files are shared out over the processes
+    (see :mod:`moeshard.convert.distributed`); the artifact is the same.
     """
+    group = Group.from_env()
+    try:
+        return _convert(group, Path(source), Path(out), ep_size=ep_size, tp_size=tp_size, placement=placement,
+                        pad_multiple=pad_multiple, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
+                        resume=resume, device=device, progress=progress if group.leader else None,
+                        dry_run=dry_run, chunk_bytes=chunk_bytes)
+    finally:
+        group.close()
+
+
+def _convert(group: Group, source: Path, out: Path, *, ep_size, tp_size, placement, pad_multiple, max_shard_bytes,
+             overwrite, resume, device, progress, dry_run, chunk_bytes) -> ConvertResult | Plan:
     from moeshard.convert.plan import DEFAULT_MAX_SHARD_BYTES
 
-    out = Path(out)
     if overwrite and resume:
         raise MoeshardError("--overwrite and --resume exclude each other")
-    if out.exists() and not dry_run and not (overwrite or resume):
+    if group.leader and out.exists() and not dry_run and not (overwrite or resume):
         if is_artifact(out):
             raise MoeshardError(f"{out}: already holds a moeshard artifact; pass --overwrite to replace it")
         if not out.is_dir() or any(out.iterdir()):
@@ -252,45 +266,64 @@ def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, plac
         args = {"ep_size": ep_size, "tp_size": tp_size, "placement": placement, "pad_multiple": plan.pad_multiple,
                 "max_shard_bytes": max_shard_bytes or DEFAULT_MAX_SHARD_BYTES}
         tick = progress or (lambda n, what: None)
-        scales: dict[int, tuple] = {}  # NVFP4 (a13, a2) per layer: read once, the same on every rank
-        if not resume:
+        if group.leader and not resume:
             check_free_space(out, plan.total_bytes)  # before anything is created
-        with OutputDir(out, _fingerprint(plan, ckpt, args), overwrite=overwrite, resume=resume) as od, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeshard-write") as pool:
-            reused = {f.path: rec for r in plan.ranks for f in r.files if (rec := od.reusable(f.path))}
-            reused.update({f.path: rec for f in plan.common if (rec := od.reusable(f.path))})
-            if resume:
-                check_free_space(out, plan.total_bytes - sum(rec["bytes"] for rec in reused.values()))
-            if spec.quant_format is QuantFormat.NVFP4:
-                scales = {layer: adapter.input_scales(ckpt, spec, layer) for layer in spec.moe_layers}
-            for r in plan.ranks:
-                weight_map = {}
-                for f in r.files:
-                    names = [t.name for layer in f.layers for t in plan.layer_tensors(layer, len(r.experts))]
-                    weight_map.update({n: Path(f.path).name for n in names})
+        # Every safetensors file to write, shared out over the processes.
+        jobs = [(r, f) for r in plan.ranks for f in r.files] + [(None, f) for f in plan.common]
+        mine = jobs[group.rank::group.world]
+        od = OutputDir(out, _fingerprint(plan, ckpt, args), overwrite=overwrite, resume=resume,
+                       process=group.rank if group.world > 1 else None)
+        with ExitStack() as stack:
+            if group.leader:
+                stack.enter_context(od)
+            group.barrier()  # the folder is locked and prepared
+            if not group.leader:
+                stack.enter_context(od)
+            pool = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeshard-write"))
+            error, records, reused = None, {}, {}
+            try:
+                reused = {f.path: rec for _, f in mine if (rec := od.reusable(f.path))}
+                if resume and group.leader:
+                    check_free_space(out, plan.total_bytes - sum(rec["bytes"] for rec in reused.values()))
+                scales: dict[int, tuple] = {}  # NVFP4 (a13, a2) per layer: read once, the same on every rank
+                if spec.quant_format is QuantFormat.NVFP4:
+                    scales = {layer: adapter.input_scales(ckpt, spec, layer) for layer in spec.moe_layers}
+                for r, f in mine:
                     if f.path in reused:
                         tick(f.nbytes, f"{f.path} (reused)")
-                        continue
-                    od.write(f.path, lambda tmp, r=r, f=f: write_rank_file(
-                        plan, ckpt, adapter, r, f, tmp, pool, device, scales, chunk_bytes, tick))
-                od.write_text(
-                    f"{r.folder}/{INDEX_NAME}", json_text(index_doc(weight_map, sum(f.nbytes for f in r.files))))
-            weight_map = {}
-            for f in plan.common:
-                weight_map.update({n: Path(f.path).name for n in f.sources})
-                if f.path in reused:
-                    tick(f.nbytes, f"{f.path} (reused)")
-                    continue
-                od.write(f.path, lambda tmp, f=f: write_common_file(ckpt, f, tmp, pool, chunk_bytes, tick))
-            od.write_text(
-                f"common/{INDEX_NAME}", json_text(index_doc(weight_map, sum(f.nbytes for f in plan.common))))
-            for name in plan.copied:
-                od.write(name, lambda tmp, n=name: shutil.copyfile(ckpt.root / n, tmp))
-            files = od.records()
-            source_files = {name: {"bytes": (ckpt.root / name).stat().st_size} for name in ckpt.files}
-            manifest = build_manifest(plan, files, source_files)
-            od.finish(manifest)
-    return ConvertResult(out, manifest, time.perf_counter() - t0, ckpt.bytes_read, plan.total_bytes, len(reused))
+                    elif r is not None:
+                        od.write(f.path, lambda tmp, r=r, f=f: write_rank_file(
+                            plan, ckpt, adapter, r, f, tmp, pool, device, scales, chunk_bytes, tick))
+                    else:
+                        od.write(f.path, lambda tmp, f=f: write_common_file(ckpt, f, tmp, pool, chunk_bytes, tick))
+                records = od.records()
+            except Exception as e:  # noqa: BLE001 - every process must reach the gather below
+                if group.world == 1:
+                    raise
+                error = f"process {group.rank}: {e}"
+            results = group.gather((error, records, ckpt.bytes_read, len(reused)))
+            errors = [err for err, *_ in results if err]
+            if errors:
+                raise MoeshardError(errors[0])
+            files = {k: v for _, recs, *_ in results for k, v in recs.items()}
+            manifest = None
+            if group.leader:
+                for r in plan.ranks:
+                    names = {t.name: Path(f.path).name for f in r.files for layer in f.layers
+                             for t in plan.layer_tensors(layer, len(r.experts))}
+                    od.write_text(f"{r.folder}/{INDEX_NAME}",
+                                  json_text(index_doc(names, sum(f.nbytes for f in r.files))))
+                names = {n: Path(f.path).name for f in plan.common for n in f.sources}
+                od.write_text(f"common/{INDEX_NAME}", json_text(index_doc(names, sum(f.nbytes for f in plan.common))))
+                for name in plan.copied:
+                    od.write(name, lambda tmp, n=name: shutil.copyfile(ckpt.root / n, tmp))
+                files.update(od.records())
+                source_files = {name: {"bytes": (ckpt.root / name).stat().st_size} for name in ckpt.files}
+                manifest = build_manifest(plan, files, source_files)
+                od.finish(manifest)
+            group.barrier()  # followers return once the manifest is written
+    return ConvertResult(out, manifest, time.perf_counter() - t0, sum(x[2] for x in results), plan.total_bytes,
+                         sum(x[3] for x in results))
 
 
 __all__ = ["ConvertResult", "DTYPE_CODES", "convert", "rank_layer_tensors", "read_rank_experts"]
