@@ -110,10 +110,11 @@ def fixture(
     out_console.print(str(path))
 
 
-@app.command(epilog="Examples:\n\n  moeshard convert ./gpt-oss-120b --ep-size 8 -o out/\n\n"
-             "  moeshard convert ./gpt-oss-20b --ep-size 4 -o out/ --dry-run")
+@app.command(epilog="Examples:\n\n  moeshard convert openai/gpt-oss-120b --ep-size 8 -o out/\n\n"
+             "  moeshard convert ./gpt-oss-20b --ep-size 4 -o out/ --dry-run\n\n"
+             "  moeshard convert nvidia/DeepSeek-R1-FP4 --ep-size 8 --ranks 3 --no-common -o out/")
 def convert(
-    source: Annotated[Path, typer.Argument(help="Checkpoint folder.")],
+    source: Annotated[str, typer.Argument(help="Checkpoint folder or Hugging Face repo id (org/name).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Artifact folder to write.")],
     ep_size: Annotated[int, typer.Option(help="Expert-parallel ranks; must divide the expert count.")] = 1,
     tp_size: Annotated[int, typer.Option(help="Tensor-parallel ranks per EP rank: each gets a slice of every "
@@ -128,6 +129,13 @@ def convert(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing artifact or non-empty folder.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted conversion into OUTPUT, reusing the files "
                                               "it finished (checked by sha256).")] = False,
+    ranks: Annotated[Optional[str], typer.Option(help="Convert only these ranks, e.g. 3 or 0-3 (a repo id then "
+                                                      "downloads only the shards they need).")] = None,
+    common: Annotated[bool, typer.Option("--common/--no-common", help="Also write common/ (every non-expert "
+                                                                       "tensor).")] = True,
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(help="Hub cache folder (default: HF_HUB_CACHE).")] = None,
+    token: Annotated[Optional[str], typer.Option(help="Hub token (default: HF_TOKEN or the saved login).")] = None,
     dry_run: Annotated[bool, typer.Option(help="Validate headers and print the plan; write nothing.")] = False,
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
@@ -138,7 +146,8 @@ def convert(
 
     if dry_run:
         plan = run(source, output, ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
-                   max_shard_bytes=parse_size(max_shard_size), dry_run=True)
+                   max_shard_bytes=parse_size(max_shard_size), dry_run=True, ranks=parse_ints(ranks), common=common,
+                   revision=revision, cache_dir=cache_dir, token=token)
         doc = {"ranks": [{"rank": r.rank, "ep_rank": r.ep_rank, "tp_rank": r.tp_rank, "experts": list(r.experts),
                           "intermediate_slice": [r.i_start, r.i_stop],
                           "files": [{"path": f.path, "layers": list(f.layers), "bytes": f.nbytes} for f in r.files]}
@@ -154,7 +163,8 @@ def convert(
     with ctx:
         res = run(source, output, ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
                   max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite, resume=resume, device=device,
-                  progress=tick)
+                  progress=tick, ranks=parse_ints(ranks), common=common, revision=revision, cache_dir=cache_dir,
+                  token=token)
     if res.manifest is None:  # a torchrun process other than 0: process 0 reports
         return
     m = res.manifest
@@ -239,6 +249,23 @@ def verify(
                           f"({_fmt_bytes(sum(c.bytes for c in checks))}, sha256)")
     if bad:
         raise typer.Exit(1)
+
+
+@app.command(epilog="Example:\n\n  moeshard push out/ my-org/gpt-oss-120b-trtllm-ep8")
+def push(
+    artifact: Annotated[Path, typer.Argument(help="Artifact folder written by moeshard convert.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub repository to upload to (created if needed).")],
+    revision: Annotated[Optional[str], typer.Option(help="Branch to commit to.")] = None,
+    private: Annotated[Optional[bool], typer.Option("--private/--public", help="Visibility of a new repo.")] = None,
+    token: Annotated[Optional[str], typer.Option(help="Hub token (default: HF_TOKEN or the saved login).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Upload an artifact to the Hugging Face Hub with a generated model card (README.md)."""
+    from moeshard.convert.push import push as run
+
+    info = run(artifact, repo_id, revision=revision, private=private, token=token)
+    url = getattr(info, "commit_url", None) or str(info)
+    out_console.print_json(json.dumps({"repo_id": repo_id, "commit": url})) if as_json else out_console.print(url)
 
 
 def _print_report(report, as_json: bool) -> None:

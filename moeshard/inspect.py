@@ -25,7 +25,8 @@ def inspect_path(path: Path) -> dict:
             "ep_size": m["ep_size"],
             "tp_size": m["tp_size"],
             "placement": m["placement"],
-            "source": m["source"]["repo_id"] or m["source"]["path"],
+            "source": (f"{m['source']['repo_id']}@{m['source']['commit']}" if m["source"]["repo_id"]
+                       else m["source"]["path"]),
             "kernel_args": first["kernel_args"],
             "ranks": [{"rank": r["rank"], "ep_rank": r["ep_rank"], "tp_rank": r["tp_rank"],
                        "experts": (f"{r['experts'][0]}-{r['experts'][-1]}" if r["local_expert_offset"] is not None
@@ -34,7 +35,8 @@ def inspect_path(path: Path) -> dict:
                        "local_expert_offset": r["local_expert_offset"],
                        "intermediate_slice": r["intermediate_slice"], "files": len(r["files"]),
                        "bytes": sum(f["bytes"] for f in r["files"])} for r in m["ranks"]],
-            "common_bytes": sum(f["bytes"] for f in m["common"]["files"]),
+            "common_bytes": sum(f["bytes"] for f in m["common"]["files"]) if m["common"] else None,
+            "rank_count": m["rank_count"],
         }
     from moeshard.convert.families import detect
     from moeshard.convert.output import STATE_DIR

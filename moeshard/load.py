@@ -68,7 +68,7 @@ class RankWeights:
     tp_rank: int
     experts: list[int]
     layers: dict[int, MoeLayer]
-    common_folder: Path  # every non-expert tensor, unchanged (HF sharded safetensors + index)
+    common_folder: Path | None  # every non-expert tensor, unchanged (None: a rank-only artifact without it)
     manifest: dict = field(repr=False)
     bytes_read: int = 0
 
@@ -202,4 +202,4 @@ def load_rank(artifact: Path | str, rank: int, device: str | torch.device = "cud
                                                                         for k, v in m["router"].items()},
                                           m["padding"]["hidden_size_padded"], m["padding"]["hidden_size"])
     return RankWeights(artifact, rank, info["ep_rank"], info["tp_rank"], info["experts"], layers,
-                       artifact / m["common"]["folder"], m, nbytes)
+                       artifact / m["common"]["folder"] if m["common"] else None, m, nbytes)

@@ -56,6 +56,17 @@ def read_scalar(ckpt: Checkpoint, name: str) -> torch.Tensor:
 
 class DeepSeekAdapter:
     family = Family.DEEPSEEK
+    prefix = PREFIX
+
+    @staticmethod
+    def num_experts(cfg: dict) -> int:
+        return cfg["n_routed_experts"]
+
+    @staticmethod
+    def moe_layers(cfg: dict) -> tuple[int, ...]:
+        """Layers first_k_dense_replace.. (every moe_layer_freq-th); the MTP layer is not one."""
+        first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
+        return tuple(x for x in range(cfg["num_hidden_layers"]) if x >= first and x % freq == 0)
 
     def detect(self, config: dict, quant_config: dict | None) -> bool:
         return config.get("model_type") == "deepseek_v3" and nvfp4_quant_algo(config, quant_config) == "NVFP4"
@@ -73,11 +84,10 @@ class DeepSeekAdapter:
                                 f"n_group {ng}, topk_group {kg}, num_experts_per_tok {k}")
         if h % 16 or i % 16:
             raise MoeshardError(f"{where}: hidden_size {h}, moe_intermediate_size {i}: expected multiples of 16")
-        first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
-        layers = tuple(x for x in range(cfg["num_hidden_layers"]) if x >= first and x % freq == 0)
+        layers = self.moe_layers(cfg)
         if not layers:
             raise MoeshardError(f"{where}: no MoE layer (num_hidden_layers {cfg['num_hidden_layers']}, "
-                                f"first_k_dense_replace {first})")
+                                f"first_k_dense_replace {cfg.get('first_k_dense_replace', 0)})")
         names = set()
         why = f"from config.json hidden_size={h}, moe_intermediate_size={i}"
         for layer in layers:
@@ -86,17 +96,14 @@ class DeepSeekAdapter:
                 for proj, (n, k) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
                     for leaf, (dtype, shape) in LINEAR_TENSORS.items():
                         name = f"{p}.{x}.{proj}.{leaf}"
-                        t = ckpt.info(name)
-                        want = shape(n, k)
-                        if t.dtype != dtype or (t.shape != want and not (want == () and t.shape == (1,))):
-                            ckpt.expect(name, dtype, want, why)
+                        ckpt.expect(name, dtype, shape(n, k), why, scalar_ok=True)
                         names.add(name)
             ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h), f"from config.json n_routed_experts={e}, "
                         f"hidden_size={h}")
-            bias = ckpt.info(ROUTER["correction_bias"].format(layer=layer))
-            if bias.shape != (e,):
-                raise MoeshardError(f"{bias.file}: {ROUTER['correction_bias'].format(layer=layer)}: "
-                                    f"expected shape [{e}], found {list(bias.shape)}")
+            bias_name = ROUTER["correction_bias"].format(layer=layer)
+            if bias_name not in ckpt.absent and ckpt.info(bias_name).shape != (e,):
+                raise MoeshardError(f"{ckpt.info(bias_name).file}: {bias_name}: expected shape [{e}], "
+                                    f"found {list(ckpt.info(bias_name).shape)}")
         return ModelSpec(
             family=self.family, quant_format=QuantFormat.NVFP4, num_experts=e, hidden_size=h, intermediate_size=i,
             moe_layers=layers, expert_prefix=PREFIX,

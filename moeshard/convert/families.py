@@ -56,6 +56,13 @@ class Adapter(Protocol):
     """One checkpoint family: names and quirks, nothing about layouts."""
 
     family: Family
+    prefix: str  # expert module prefix template, "{layer}" placeholder
+
+    def moe_layers(self, config: dict) -> tuple[int, ...]:
+        """The MoE layers, from config.json alone (rank-only downloads plan with it)."""
+
+    def num_experts(self, config: dict) -> int:
+        """The routed expert count, from config.json alone."""
 
     def detect(self, config: dict, quant_config: dict | None) -> bool:
         """Whether config.json (and hf_quant_config.json) describe this family."""
@@ -81,14 +88,18 @@ def adapters() -> dict[Family, Adapter]:
 
 def detect(ckpt: "Checkpoint") -> Adapter:
     """The adapter whose family matches the checkpoint's config, or a MoeshardError."""
+    return detect_config(ckpt.config, ckpt.quant_config, ckpt.root / "config.json")
+
+
+def detect_config(config: dict, quant_config: dict | None, where) -> Adapter:
     from moeshard.errors import MoeshardError
 
     for adapter in adapters().values():
-        if adapter.detect(ckpt.config, ckpt.quant_config):
+        if adapter.detect(config, quant_config):
             return adapter
-    mt = ckpt.config.get("model_type")
-    qm = (ckpt.config.get("quantization_config") or {}).get("quant_method")
+    mt = config.get("model_type")
+    qm = (config.get("quantization_config") or {}).get("quant_method")
     raise MoeshardError(
-        f"{ckpt.root / 'config.json'}: unsupported checkpoint: expected gpt_oss (mxfp4), deepseek_v3 or llama4 "
+        f"{where}: unsupported checkpoint: expected gpt_oss (mxfp4), deepseek_v3 or llama4 "
         f"(ModelOpt NVFP4), found model_type {mt!r} with quant_method {qm!r}"
     )

@@ -31,6 +31,15 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
 
 class GptOssAdapter:
     family = Family.GPT_OSS
+    prefix = PREFIX
+
+    @staticmethod
+    def num_experts(cfg: dict) -> int:
+        return cfg["num_local_experts"]
+
+    @staticmethod
+    def moe_layers(cfg: dict) -> tuple[int, ...]:
+        return tuple(range(cfg["num_hidden_layers"]))  # every gpt-oss layer is MoE
 
     def detect(self, config: dict, quant_config: dict | None) -> bool:
         return config.get("model_type") == "gpt_oss"
@@ -50,7 +59,7 @@ class GptOssAdapter:
             raise MoeshardError(f"{where}: hidden_size {h} and intermediate_size {i}: expected multiples of 32 (MXFP4 block)")
         if not isinstance(top_k, int) or not 1 <= top_k <= e:
             raise MoeshardError(f"{where}: num_experts_per_tok: expected an integer in 1..{e}, found {top_k!r}")
-        layers = tuple(range(cfg["num_hidden_layers"]))
+        layers = self.moe_layers(cfg)
         why = f"from config.json num_local_experts={e}, hidden_size={h}, intermediate_size={i}"
         names = set()
         for layer in layers:

@@ -41,6 +41,17 @@ def _gate_up_to_canonical(t: torch.Tensor) -> torch.Tensor:
 
 class Llama4Adapter:
     family = Family.LLAMA4
+    prefix = PREFIX
+
+    @staticmethod
+    def num_experts(cfg: dict) -> int:
+        return cfg["text_config"]["num_local_experts"]
+
+    @staticmethod
+    def moe_layers(config: dict) -> tuple[int, ...]:
+        cfg = config.get("text_config") or {}
+        step = cfg.get("interleave_moe_layer_step", 1)
+        return tuple(cfg.get("moe_layers") or range(step - 1, cfg.get("num_hidden_layers", 0), step))
 
     def detect(self, config: dict, quant_config: dict | None) -> bool:
         return config.get("model_type") == "llama4" and nvfp4_quant_algo(config, quant_config) == "NVFP4"
@@ -57,16 +68,13 @@ class Llama4Adapter:
         if cfg["num_experts_per_tok"] != 1:
             raise MoeshardError(f"{where}: text_config.num_experts_per_tok: expected 1 (Llama-4 routing is top-1), "
                                 f"found {cfg['num_experts_per_tok']}")
-        step = cfg.get("interleave_moe_layer_step", 1)
-        layers = tuple(cfg.get("moe_layers") or range(step - 1, cfg["num_hidden_layers"], step))
+        layers = self.moe_layers(ckpt.config)
         names = set()
         why = f"from config.json text_config num_local_experts={e}, hidden_size={h}, intermediate_size={i}"
         for layer in layers:
             for leaf, (dtype, shape) in EXPERT_TENSORS.items():
                 name = f"{PREFIX.format(layer=layer)}.{leaf}"
-                t, want = ckpt.info(name), shape(e, h, i)
-                if t.dtype != dtype or (t.shape != want and not (want == () and t.shape == (1,))):
-                    ckpt.expect(name, dtype, want, why)
+                ckpt.expect(name, dtype, shape(e, h, i), why, scalar_ok=True)
                 names.add(name)
             ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h), why)
         return ModelSpec(

@@ -16,13 +16,14 @@ import torch
 
 from moeshard import __version__
 from moeshard.convert.distributed import Group
-from moeshard.convert.families import QuantFormat, detect
+from moeshard.convert.families import QuantFormat, detect, detect_config
+from moeshard.convert.hub import HubSource, needed_files, needed_tensors, resolve
 from moeshard.convert.io import DTYPE_CODES, INDEX_NAME, index_doc, json_text
 from moeshard.convert.writer import StreamingWriter
 from moeshard.convert.manifest import SCHEMA_VERSION, is_artifact
 from moeshard.convert.output import OutputDir, check_free_space
-from moeshard.convert.plan import PLACEMENT_ENGINES, OutFile, Plan, RankPlan, make_plan
-from moeshard.convert.source import Checkpoint
+from moeshard.convert.plan import PLACEMENT_ENGINES, OutFile, Plan, RankPlan, make_plan, rank_experts
+from moeshard.convert.source import Checkpoint, load_json
 from moeshard.errors import MoeshardError
 from moeshard.layouts.canonical import CanonicalExperts, concat_experts, slice_intermediate
 from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, nvfp4_scalars, swiglu_oai_scalars, to_trtllm_padded
@@ -97,12 +98,16 @@ def _kernel_args(plan: Plan, layer: int) -> dict:
             "activation_type": spec.activation["activation_type"]}
 
 
-def build_manifest(plan: Plan, files: dict[str, dict], source_files: dict[str, dict]) -> dict:
+def build_manifest(plan: Plan, files: dict[str, dict], source: dict, ranks: list[RankPlan] | None = None,
+                   common: bool = True) -> dict:
+    """The manifest: ``ranks`` (default all) and ``common`` say what this artifact holds; a
+    rank-only run holds some ranks (``rank_count`` says how many the sharding has)."""
     spec = plan.spec
+    ranks = list(plan.ranks) if ranks is None else ranks
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "moeshard", "version": __version__, "flashinfer": _flashinfer_version()},
-        "source": {"path": str(plan.source.resolve()), "repo_id": None, "revision": None, "files": source_files},
+        "source": source,
         "family": spec.family.value,
         "quant_format": spec.quant_format.value,
         "layout": {"name": LAYOUT_NAME, "version": LAYOUT_VERSION, "epilogue_tile_m": plan.epilogue_tile_m,
@@ -128,9 +133,10 @@ def build_manifest(plan: Plan, files: dict[str, dict], source_files: dict[str, d
                    "adds_gemm2_bias": (spec.quant_format is QuantFormat.MXFP4 and r.tp_rank == 0),
                    "folder": r.folder, "files": [{"path": f.path, **files[f.path]} for f in r.files],
                    "index": {"path": f"{r.folder}/{INDEX_NAME}", **files[f"{r.folder}/{INDEX_NAME}"]}}
-                  for r in plan.ranks],
-        "common": {"folder": "common", "files": [{"path": f.path, **files[f.path]} for f in plan.common],
-                   "index": {"path": f"common/{INDEX_NAME}", **files[f"common/{INDEX_NAME}"]}},
+                  for r in ranks],
+        "rank_count": len(plan.ranks),
+        "common": ({"folder": "common", "files": [{"path": f.path, **files[f.path]} for f in plan.common],
+                    "index": {"path": f"common/{INDEX_NAME}", **files[f"common/{INDEX_NAME}"]}} if common else None),
         "copied": [{"path": name, **files[name]} for name in plan.copied],
     }
 
@@ -220,10 +226,12 @@ def _fingerprint(plan: Plan, ckpt: Checkpoint, args: dict) -> dict:
             "source_files": {n: (ckpt.root / n).stat().st_size for n in ckpt.files + list(plan.copied)}}
 
 
-def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, placement: str = "contiguous",
+def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1, placement: str = "contiguous",
             pad_multiple: int | None = None, max_shard_bytes: int | None = None, overwrite: bool = False,
             resume: bool = False, device: str = "cpu", progress: Progress | None = None,
-            dry_run: bool = False, chunk_bytes: int = CHUNK_BYTES) -> ConvertResult | Plan:
+            dry_run: bool = False, chunk_bytes: int = CHUNK_BYTES, ranks: list[int] | None = None,
+            common: bool = True, revision: str | None = None, cache_dir: Path | None = None,
+            token: str | None = None) -> ConvertResult | Plan:
     """Convert checkpoint folder ``source`` into the artifact folder ``out`` (DESIGN.md).
 
     Plans and validates every header first; nothing is written before the plan holds. Each file
@@ -232,19 +240,35 @@ def convert(source: Path, out: Path, *, ep_size: int = 1, tp_size: int = 1, plac
     byte-identical to an uninterrupted run. With ``dry_run`` returns the :class:`Plan` and
     writes nothing. Under ``torchrun`` the output files are shared out over the processes
     (see :mod:`moeshard.convert.distributed`); the artifact is the same.
+
+    ``source`` is a folder or a Hub repo id (``revision``, ``cache_dir``, ``token`` as
+    huggingface_hub takes them). ``ranks`` converts only those ranks (a repo id then fetches only
+    the shards they need); ``common=False`` leaves out ``common/``.
     """
     group = Group.from_env()
     try:
-        return _convert(group, Path(source), Path(out), ep_size=ep_size, tp_size=tp_size, placement=placement,
+        select = None
+        if ranks is not None:
+            def select(meta: Path) -> list[str]:
+                config = load_json(meta / "config.json")
+                qc = load_json(meta / "hf_quant_config.json") if (meta / "hf_quant_config.json").is_file() else None
+                weight_map = load_json(meta / INDEX_NAME)["weight_map"]
+                adapter = detect_config(config, qc, f"{source}/config.json")
+                e = adapter.num_experts(config)
+                experts = {x for r in ranks for x in rank_experts(e, ep_size, tp_size, placement, r)}
+                return needed_files(weight_map, needed_tensors(weight_map, adapter, config, experts, common))
+        path, hub = resolve(str(source), revision=revision, cache_dir=cache_dir, token=token, select=select)
+        return _convert(group, path, hub, Path(out), ep_size=ep_size, tp_size=tp_size, placement=placement,
                         pad_multiple=pad_multiple, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                         resume=resume, device=device, progress=progress if group.leader else None,
-                        dry_run=dry_run, chunk_bytes=chunk_bytes)
+                        dry_run=dry_run, chunk_bytes=chunk_bytes, ranks=ranks, common=common)
     finally:
         group.close()
 
 
-def _convert(group: Group, source: Path, out: Path, *, ep_size, tp_size, placement, pad_multiple, max_shard_bytes,
-             overwrite, resume, device, progress, dry_run, chunk_bytes) -> ConvertResult | Plan:
+def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep_size, tp_size, placement,
+             pad_multiple, max_shard_bytes, overwrite, resume, device, progress, dry_run, chunk_bytes, ranks,
+             common) -> ConvertResult | Plan:
     from moeshard.convert.plan import DEFAULT_MAX_SHARD_BYTES
 
     if overwrite and resume:
@@ -256,20 +280,25 @@ def _convert(group: Group, source: Path, out: Path, *, ep_size, tp_size, placeme
             raise MoeshardError(f"{out}: exists and is not empty; choose a new folder, pass --overwrite, or "
                                 "--resume an interrupted conversion")
     t0 = time.perf_counter()
-    with Checkpoint(source) as ckpt:
+    with Checkpoint(source, partial=hub is not None and ranks is not None) as ckpt:
         adapter = detect(ckpt)
         spec = adapter.spec(ckpt)
         plan = make_plan(ckpt, spec, ep_size=ep_size, tp_size=tp_size, placement=placement,
                          pad_multiple=pad_multiple, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
         if dry_run:
             return plan
+        chosen = list(plan.ranks) if ranks is None else [r for r in plan.ranks if r.rank in set(ranks)]
+        if ranks is not None and len(chosen) != len(set(ranks)):
+            raise MoeshardError(f"--ranks {','.join(map(str, ranks))}: the sharding has ranks 0..{len(plan.ranks) - 1}")
         args = {"ep_size": ep_size, "tp_size": tp_size, "placement": placement, "pad_multiple": plan.pad_multiple,
-                "max_shard_bytes": max_shard_bytes or DEFAULT_MAX_SHARD_BYTES}
+                "max_shard_bytes": max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
+                "ranks": [r.rank for r in chosen], "common": common}
         tick = progress or (lambda n, what: None)
         if group.leader and not resume:
-            check_free_space(out, plan.total_bytes)  # before anything is created
+            check_free_space(out, sum(f.nbytes for r in chosen for f in r.files)
+                             + (sum(f.nbytes for f in plan.common) if common else 0))  # before anything is created
         # Every safetensors file to write, shared out over the processes.
-        jobs = [(r, f) for r in plan.ranks for f in r.files] + [(None, f) for f in plan.common]
+        jobs = [(r, f) for r in chosen for f in r.files] + ([(None, f) for f in plan.common] if common else [])
         mine = jobs[group.rank::group.world]
         od = OutputDir(out, _fingerprint(plan, ckpt, args), overwrite=overwrite, resume=resume,
                        process=group.rank if group.world > 1 else None)
@@ -308,21 +337,27 @@ def _convert(group: Group, source: Path, out: Path, *, ep_size, tp_size, placeme
             files = {k: v for _, recs, *_ in results for k, v in recs.items()}
             manifest = None
             if group.leader:
-                for r in plan.ranks:
+                for r in chosen:
                     names = {t.name: Path(f.path).name for f in r.files for layer in f.layers
                              for t in plan.layer_tensors(layer, len(r.experts))}
                     od.write_text(f"{r.folder}/{INDEX_NAME}",
                                   json_text(index_doc(names, sum(f.nbytes for f in r.files))))
-                names = {n: Path(f.path).name for f in plan.common for n in f.sources}
-                od.write_text(f"common/{INDEX_NAME}", json_text(index_doc(names, sum(f.nbytes for f in plan.common))))
+                if common:
+                    names = {n: Path(f.path).name for f in plan.common for n in f.sources}
+                    od.write_text(f"common/{INDEX_NAME}",
+                                  json_text(index_doc(names, sum(f.nbytes for f in plan.common))))
                 for name in plan.copied:
                     od.write(name, lambda tmp, n=name: shutil.copyfile(ckpt.root / n, tmp))
                 files.update(od.records())
-                source_files = {name: {"bytes": (ckpt.root / name).stat().st_size} for name in ckpt.files}
-                manifest = build_manifest(plan, files, source_files)
+                source_info = {"path": str(ckpt.root.resolve()), "repo_id": None, "revision": None, "commit": None,
+                               "files": {n: {"bytes": (ckpt.root / n).stat().st_size} for n in ckpt.files}}
+                if hub is not None:
+                    source_info.update(hub.manifest_source(), files=hub.files)
+                manifest = build_manifest(plan, files, source_info, chosen, common)
                 od.finish(manifest)
             group.barrier()  # followers return once the manifest is written
-    return ConvertResult(out, manifest, time.perf_counter() - t0, sum(x[2] for x in results), plan.total_bytes,
+    written = sum(f.nbytes for _, f in jobs)
+    return ConvertResult(out, manifest, time.perf_counter() - t0, sum(x[2] for x in results), written,
                          sum(x[3] for x in results))
 
 

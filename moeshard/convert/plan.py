@@ -137,6 +137,14 @@ def check_kernel_shapes(h_pad: int, i_pad: int, sf: int, where: str) -> None:
         raise MoeshardError(f"{where}: {'; '.join(problems)}")
 
 
+def rank_experts(num_experts: int, ep_size: int, tp_size: int, placement: str, rank: int) -> tuple[int, ...]:
+    """The experts of output rank ``rank`` (= ep_rank * tp_size + tp_rank)."""
+    ep_rank, local = rank // tp_size, num_experts // ep_size
+    if placement == "contiguous":
+        return tuple(range(ep_rank * local, (ep_rank + 1) * local))
+    return tuple(range(ep_rank, num_experts, ep_size))
+
+
 def tp_slices(spec: ModelSpec, tp_size: int) -> list[tuple[int, int]]:
     """Each TP rank's ``[start, stop)`` of the intermediate dimension, cut on scale blocks.
 
@@ -211,8 +219,7 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, *, ep_size: int = 1, tp_size: i
     packs = pack_groups(layer_bytes, max_shard_bytes)
     ranks = []
     for ep_rank in range(ep_size):
-        experts = (tuple(range(ep_rank * local, (ep_rank + 1) * local)) if placement == "contiguous"
-                   else tuple(range(ep_rank, e, ep_size)))
+        experts = rank_experts(e, ep_size, tp_size, placement, ep_rank * tp_size)
         for tp_rank, (a, b) in enumerate(cuts):
             r = ep_rank * tp_size + tp_rank
             folder = f"rank-{r:05d}"

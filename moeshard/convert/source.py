@@ -28,8 +28,12 @@ class Checkpoint:
     memory map, and only the requested slice.
     """
 
-    def __init__(self, root: Path, *, with_config: bool = True):
+    def __init__(self, root: Path, *, with_config: bool = True, partial: bool = False):
+        """``partial``: a rank-only download; shards the index names but that were not fetched
+        are allowed, and their tensors (:attr:`absent`) are skipped by header checks."""
         self.root = Path(root)
+        self.partial = partial
+        self.absent: set[str] = set()
         if not self.root.is_dir():
             raise MoeshardError(f"{self.root}: not a folder (expected a checkpoint folder or a Hub repo id)")
         self.config = load_json(self.root / "config.json") if with_config else {}
@@ -51,13 +55,20 @@ class Checkpoint:
         else:
             raise MoeshardError(f"{self.root}: no {INDEX_NAME} and no {SINGLE_NAME}")
         tensors: dict[str, TensorInfo] = {}
+        missing = set()
         for name in files:
             path = self.root / name
             if not path.is_file():
+                if self.partial:
+                    missing.add(name)
+                    continue
                 raise MoeshardError(f"{index}: names shard {name}, which is missing from {self.root}")
             tensors.update(read_header(path))
         if weight_map is not None:
+            self.absent = {k for k, f in weight_map.items() if f in missing}
             for k, f in weight_map.items():
+                if f in missing:
+                    continue
                 if k not in tensors or tensors[k].file != f:
                     raise MoeshardError(f"{index}: maps {k} to {f}, but {f} does not hold it")
         return tensors
@@ -68,18 +79,26 @@ class Checkpoint:
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
+            if name in self.absent:
+                raise MoeshardError(f"{self.root}: tensor {name} was not downloaded (a rank-only run fetched only "
+                                    "the shards its ranks need)")
             raise MoeshardError(f"{self.root}: tensor {name} missing from the checkpoint")
         return self.tensors[name]
 
-    def expect(self, name: str, dtype: str, shape: tuple[int, ...], why: str = "") -> TensorInfo:
+    def expect(self, name: str, dtype: str, shape: tuple[int, ...], why: str = "",
+               scalar_ok: bool = False) -> TensorInfo | None:
         """Check one tensor's header, raising a MoeshardError naming file, tensor, expected, found.
 
-        ``why`` says where the expected shape comes from (e.g. the config values), for the message.
+        ``why`` says where the expected shape comes from (e.g. the config values), for the message;
+        ``scalar_ok`` accepts ``[1]`` for an expected ``[]``. Returns None, checking nothing, for a
+        tensor of a partial checkpoint that was not downloaded.
         """
+        if name in self.absent:
+            return None
         t = self.info(name)
         if t.dtype != dtype:
             raise MoeshardError(f"{t.file}: {name}: expected dtype {dtype}, found {t.dtype}")
-        if t.shape != tuple(shape):
+        if t.shape != tuple(shape) and not (scalar_ok and shape == () and t.shape == (1,)):
             raise MoeshardError(f"{t.file}: {name}: expected shape {list(shape)}{f' ({why})' if why else ''}, "
                                 f"found {list(t.shape)}")
         return t

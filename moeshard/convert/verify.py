@@ -19,8 +19,8 @@ class FileCheck:
 
 def manifest_files(m: dict) -> list[dict]:
     """Every file the manifest lists: rank files and indexes, common files and index, copied files."""
-    return ([f for r in m["ranks"] for f in r["files"] + [r["index"]]] + m["common"]["files"] + [m["common"]["index"]]
-            + m["copied"])
+    common = m["common"]["files"] + [m["common"]["index"]] if m["common"] else []
+    return [f for r in m["ranks"] for f in r["files"] + [r["index"]]] + common + m["copied"]
 
 
 def verify(out: Path, progress=None) -> list[FileCheck]:

@@ -162,7 +162,8 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                             "rank's experts contiguous; use --backend decode")
     tick = progress or (lambda what: None)
 
-    with Checkpoint(src) as ckpt, Checkpoint(out / "common", with_config=False) as common:
+    with Checkpoint(src, partial=True) as ckpt, \
+            Checkpoint(out / "common" if m["common"] else src, with_config=False, partial=True) as common:
         adapter = detect(ckpt)
         spec = adapter.spec(ckpt)
         if spec.family.value != m["family"]:
@@ -243,7 +244,7 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                     detail = f"{where}: {what}" + (f"; differs from the converted source: {bad}" if bad else "")
                 report.rows.append(Row(r, layer, backend, max_abs, rel, ok, detail, None if ok else worst[2]))
                 sum_got += got
-            if sorted(ranks) == all_ranks and len(all_ranks) > 1:
+            if sorted(ranks) == all_ranks and len(all_ranks) == m["rank_count"] > 1:
                 tick(f"all experts layer {layer}")
                 full = _to(adapter.read_experts(ckpt, spec, layer, 0, spec.num_experts), device)
                 want = moe_forward(x_ref, expert_fn(full, fmt, device), range(spec.num_experts), ids, weights,

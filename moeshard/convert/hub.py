@@ -1,0 +1,132 @@
+"""Hugging Face Hub access in one place: resolve a repo id to a local snapshot (only the files a
+conversion needs), record what was used, and push an artifact.
+
+Environment as huggingface_hub reads it: ``HF_HOME`` / ``HF_HUB_CACHE`` (where), ``HF_TOKEN``
+(who), ``HF_HUB_OFFLINE=1`` (the cache only). Progress is the hub's own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moeshard.errors import MoeshardError
+
+#: Files a conversion reads or copies: configs, quant config, index, tokenizer and generation
+#: files (top level only: openai/gpt-oss's original/ and metal/ are left out).
+META_PATTERNS = ("config.json", "hf_quant_config.json", "generation_config.json", "model.safetensors.index.json",
+                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "tokenizer.model")
+#: The shards (top level: "model-*" does not match "original/model-*").
+SHARD_PATTERNS = ("model-*.safetensors", "model.safetensors")
+ALLOW_PATTERNS = META_PATTERNS + SHARD_PATTERNS
+
+
+@dataclass
+class HubSource:
+    """Where a repo id resolved to: the local snapshot folder, the commit, and each file's hash."""
+
+    repo_id: str
+    revision: str | None
+    commit: str
+    path: Path
+    files: dict[str, dict] = field(default_factory=dict)  # name -> {"bytes", "sha256" (LFS) or "git_sha1"}
+
+    def manifest_source(self) -> dict:
+        return {"repo_id": self.repo_id, "revision": self.revision, "commit": self.commit}
+
+
+def looks_like_repo_id(source: str) -> bool:
+    """``org/name`` that is not a local path."""
+    return not Path(source).exists() and source.count("/") == 1 and not source.startswith((".", "/", "~"))
+
+
+def _hub_error(repo_id: str, e: Exception) -> MoeshardError:
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    if isinstance(e, GatedRepoError):
+        return MoeshardError(f"{repo_id}: gated repository: accept its license on https://huggingface.co/{repo_id}, "
+                             "then authenticate with `hf auth login` or HF_TOKEN=<token>")
+    if isinstance(e, RevisionNotFoundError):
+        return MoeshardError(f"{repo_id}: revision not found: {e}")
+    if isinstance(e, RepositoryNotFoundError):
+        return MoeshardError(f"{repo_id}: repository not found on the Hub (or private: authenticate with "
+                             "`hf auth login` or HF_TOKEN)")
+    if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
+        return MoeshardError(f"{repo_id}: not in the local Hub cache and the Hub cannot be reached "
+                             f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {str(e).splitlines()[0]}")
+    return MoeshardError(f"{repo_id}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def download(repo_id: str, patterns: list[str], revision: str | None = None, cache_dir: Path | None = None,
+             token: str | None = None) -> Path:
+    """``snapshot_download`` of the files matching ``patterns`` from one revision."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled)
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns), cache_dir=cache_dir,
+                                      token=token))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, IncompleteSnapshotError, OSError,
+            ValueError) as e:
+        raise _hub_error(repo_id, e) from None
+
+
+def file_hashes(snapshot: Path) -> dict[str, dict]:
+    """Each file of a snapshot: size and the hash the Hub keys its blob by (LFS: sha256)."""
+    out = {}
+    for p in sorted(snapshot.rglob("*")):
+        if p.is_file():
+            blob = Path(os.path.realpath(p)).name
+            key = "sha256" if len(blob) == 64 else "git_sha1"
+            out[str(p.relative_to(snapshot))] = {"bytes": p.stat().st_size, key: blob}
+    return out
+
+
+def needed_tensors(weight_map: dict[str, str], adapter, config: dict, experts: set[int] | None,
+                   common: bool) -> set[str]:
+    """Tensor names a (rank-only) conversion reads.
+
+    - per-expert families (DeepSeek): the chosen experts' tensors, plus every expert's
+      ``input_scale`` (the NVFP4 activation scales are maxima over all experts of the layer);
+    - fused families (GPT-OSS, Llama-4): the whole fused tensors (each rank reads its slice);
+    - the routers (to validate the ranks), and, with ``common``, every non-expert tensor.
+    """
+    prefixes = tuple(adapter.prefix.format(layer=layer) + "." for layer in adapter.moe_layers(config))
+    out = set()
+    for name in weight_map:
+        if not name.startswith(prefixes):
+            if common or ".router." in name or ".mlp.gate." in name:
+                out.add(name)
+            continue
+        rest = name[len(next(p for p in prefixes if name.startswith(p))):]
+        head = rest.split(".")[0]
+        if not head.isdigit() or experts is None or int(head) in experts or rest.endswith(".input_scale"):
+            out.add(name)
+    return out
+
+
+def needed_files(weight_map: dict[str, str], names: set[str]) -> list[str]:
+    return sorted({weight_map[n] for n in names})
+
+
+def resolve(source: str, *, revision: str | None = None, cache_dir: Path | None = None, token: str | None = None,
+            select=None) -> tuple[Path, HubSource | None]:
+    """A local folder as it is, or a repo id downloaded (everything a conversion needs).
+
+    ``select(folder) -> list[str]`` chooses the shards of a rank-only run from the configs and
+    the index, which are fetched first; then only those shards, from the same commit.
+    """
+    if not looks_like_repo_id(source):
+        return Path(source), None
+    if select is None:
+        path = download(source, list(ALLOW_PATTERNS), revision, cache_dir, token)
+    else:
+        meta = download(source, list(META_PATTERNS), revision, cache_dir, token)
+        shards = select(meta) if (meta / "model.safetensors.index.json").is_file() else ["model.safetensors"]
+        # Pin the commit the metadata came from, so that every file is of one revision.
+        path = download(source, list(META_PATTERNS) + shards, meta.name, cache_dir, token)
+    return path, HubSource(source, revision, path.name, path, file_hashes(path))
