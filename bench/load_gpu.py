@@ -97,7 +97,12 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/moeshard-load-bench"))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--readers", type=int, default=None, help="reader threads of load_rank (default: its own)")
     a = ap.parse_args()
+    if a.readers:
+        import moeshard.load
+
+        moeshard.load.READERS = a.readers
     src, out = a.work / "src", a.work / "out"
     if not src.exists():
         fixture("gpt-oss", "gpt-oss-120b", src, layers=a.layers)
@@ -108,6 +113,8 @@ def main() -> None:
     rows = []
     for state in ("cold", "warm"):
         dropped = drop_caches() if state == "cold" else None
+        if state == "warm":  # bring the rank's files into the page cache first
+            del moeshard.load_rank(out, RANK, device="cuda").layers
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         rw = moeshard.load_rank(out, RANK, device="cuda")
@@ -118,6 +125,8 @@ def main() -> None:
         t_read, t_h2d = limit(files)
         if state == "cold":
             drop_caches()
+        else:
+            engines_today(src, info["experts"], warm_cache)  # source pages cached too
         cache: dict = {} if state == "cold" else warm_cache
         t_b, b_bytes = engines_today(src, info["experts"], cache)
         warm_cache = cache

@@ -93,7 +93,7 @@ def _staging(n: int, chunk: int) -> list[torch.Tensor]:
     return _PINNED[:n]
 
 
-def read_file_to(path: Path, device: str | torch.device, chunk: int = CHUNK, workers: int = READERS
+def read_file_to(path: Path, device: str | torch.device, chunk: int = CHUNK, workers: int | None = None
                  ) -> tuple[dict, torch.Tensor]:
     """Header and data buffer (uint8, on ``device``) of one safetensors file.
 
@@ -113,6 +113,7 @@ def read_file_to(path: Path, device: str | torch.device, chunk: int = CHUNK, wor
             _pread_into(fd, memoryview(buf.numpy()), start)
             return header, buf
         out = torch.empty(size, dtype=torch.uint8, device=device)
+        workers = workers or READERS
         offsets = list(range(0, size, chunk))
         bufs = _staging(workers, chunk)
 
