@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import report
+
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {
     "gpt-oss-120b x2": ("gpt-oss", "gpt-oss-120b", 2),
@@ -140,12 +142,7 @@ def main() -> None:
                          "peak_file_mb": round(r["file_mb"])})
         shutil.rmtree(a.work)
         print(f"{case}: done", file=sys.stderr)
-    cols = list(rows[0])
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
-    if a.json_out:
-        a.json_out.write_text(json.dumps(rows, indent=2))
+    report(rows, a.json_out)
 
 
 if __name__ == "__main__":

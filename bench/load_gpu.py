@@ -13,17 +13,15 @@ Cold runs drop the page cache first when the kernel allows it (the table says wh
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transform_gpu import per_expert_loop  # noqa: E402
+from _common import cuda_block_scale_interleave, report  # noqa: E402
+from _reference import vllm_gpt_oss_trtllm  # noqa: E402
+from transform_gpu import LEAVES  # noqa: E402
 
 import moeshard  # noqa: E402
 from moeshard.convert.manifest import read_manifest  # noqa: E402
@@ -51,22 +49,8 @@ def engines_today(src: Path, experts: list[int], cache: dict) -> tuple[float, in
         e0, e1 = experts[0], experts[-1] + 1
         for layer in range(ck.config["num_hidden_layers"]):
             p = f"model.layers.{layer}.mlp.experts"
-            rd = lambda leaf: ck.read(f"{p}.{leaf}", e0, e1).cuda(non_blocking=False)  # noqa: E731
-            e, hp, ip = e1 - e0, 3072, 3072
-            h = i = 2880
-            w13 = torch.zeros(e, 2 * ip, hp // 2, dtype=torch.uint8, device="cuda")
-            s13 = torch.zeros(e, 2 * ip, hp // 32, dtype=torch.uint8, device="cuda")
-            b13 = torch.zeros(e, 2 * ip, device="cuda")
-            w2 = torch.zeros(e, hp, ip // 2, dtype=torch.uint8, device="cuda")
-            s2 = torch.zeros(e, hp, ip // 32, dtype=torch.uint8, device="cuda")
-            b2 = torch.zeros(e, hp, device="cuda")
-            w13[:, : 2 * i, : h // 2] = rd("gate_up_proj_blocks").flatten(-2)
-            s13[:, : 2 * i, : h // 32] = rd("gate_up_proj_scales")
-            b13[:, : 2 * i] = rd("gate_up_proj_bias").float()
-            w2[:, :h, : i // 2] = rd("down_proj_blocks").flatten(-2)
-            s2[:, :h, : i // 32] = rd("down_proj_scales")
-            b2[:, :h] = rd("down_proj_bias").float()
-            per_expert_loop(w13, s13, b13, w2, s2, b2, cache)
+            raw = [ck.read(f"{p}.{leaf}", e0, e1).cuda() for leaf in LEAVES]
+            vllm_gpt_oss_trtllm(*raw, 3072, 3072, interleave=cuda_block_scale_interleave, cache=cache)
         nbytes = ck.bytes_read
     torch.cuda.synchronize()
     return time.perf_counter() - t0, nbytes
@@ -136,14 +120,8 @@ def main() -> None:
                      "b_bytes_gb": round(b_bytes / 1e9, 3), "c_read_pinned_s": round(t_read, 3),
                      "c_h2d_s": round(t_h2d, 3), "a_over_limit": round(t_a / lim, 2), "a_over_b": round(t_a / t_b, 2)})
         del rw
-    print(f"gpt-oss-120b, {a.layers} layers, EP {EP} rank {RANK} ({len(info['experts'])} experts), "
-          f"{torch.cuda.get_device_name()}")
-    cols = list(rows[0])
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
-    if a.json_out:
-        a.json_out.write_text(json.dumps(rows, indent=2))
+    report(rows, a.json_out, f"gpt-oss-120b, {a.layers} layers, EP {EP} rank {RANK} ({len(info['experts'])} "
+           f"experts), {torch.cuda.get_device_name()}")
 
 
 if __name__ == "__main__":

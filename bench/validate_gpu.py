@@ -11,11 +11,11 @@ Prints a table; writes the figures as JSON next to the outputs.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
+from _common import report
 
 from moeshard.convert.pipeline import convert
 from moeshard.fixtures import fixture
@@ -51,12 +51,7 @@ def main() -> None:
                      "validate_s": round(t_val, 2), "passed": report.passed,
                      "max_rel_error": max(r.rel_error for r in report.rows),
                      "gpu": torch.cuda.get_device_name()})
-    cols = list(rows[0])
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
-    if a.json_out:
-        a.json_out.write_text(json.dumps(rows, indent=2))
+    report(rows, a.json_out)
 
 
 if __name__ == "__main__":

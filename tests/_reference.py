@@ -36,7 +36,7 @@ def swap_every_two_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def vllm_gpt_oss_trtllm(blocks13, scales13, bias13, blocks2, scales2, bias2, h_pad: int, i_pad: int,
-                        interleave=interleave_formula) -> dict[str, torch.Tensor]:
+                        interleave=interleave_formula, cache: dict | None = None) -> dict[str, torch.Tensor]:
     """vLLM's GPT-OSS MXFP4 -> trtllm-gen preparation (``Mxfp4MoEMethod`` /
     ``convert_to_mxfp4_moe_kernel_format``), one expert at a time, with FlashInfer's helpers.
 
@@ -45,17 +45,15 @@ def vllm_gpt_oss_trtllm(blocks13, scales13, bias13, blocks2, scales2, bias2, h_p
     the top-left corner; biases bf16 -> f32; pairwise row swap of w13, its scale and bias; then
     per expert ``get_w2_permute_indices_with_cache`` (epilogue_tile_m=128) on weights, scales
     (num_elts_per_sf=16, as vLLM passes) and biases, and the 128x4 interleave on the scales.
+    Runs on the inputs' device; ``cache`` is the index cache (a fresh one by default).
     """
     from flashinfer.fused_moe.core import get_w2_permute_indices_with_cache
 
     e, two_i = blocks13.shape[:2]
     h = blocks2.shape[1]
-    w13 = torch.zeros(e, 2 * i_pad, h_pad // 2, dtype=torch.uint8)
-    s13 = torch.zeros(e, 2 * i_pad, h_pad // 32, dtype=torch.uint8)
-    b13 = torch.zeros(e, 2 * i_pad, dtype=torch.float32)
-    w2 = torch.zeros(e, h_pad, i_pad // 2, dtype=torch.uint8)
-    s2 = torch.zeros(e, h_pad, i_pad // 32, dtype=torch.uint8)
-    b2 = torch.zeros(e, h_pad, dtype=torch.float32)
+    zeros = lambda *shape, dtype=torch.uint8: torch.zeros(*shape, dtype=dtype, device=blocks13.device)  # noqa: E731
+    w13, s13, b13 = zeros(e, 2 * i_pad, h_pad // 2), zeros(e, 2 * i_pad, h_pad // 32), zeros(e, 2 * i_pad, dtype=torch.float32)
+    w2, s2, b2 = zeros(e, h_pad, i_pad // 2), zeros(e, h_pad, i_pad // 32), zeros(e, h_pad, dtype=torch.float32)
     w13[:, :two_i, : blocks13.shape[2] * 16] = blocks13.flatten(-2)
     s13[:, :two_i, : scales13.shape[2]] = scales13
     b13[:, :two_i] = bias13.float()
@@ -64,7 +62,7 @@ def vllm_gpt_oss_trtllm(blocks13, scales13, bias13, blocks2, scales2, bias2, h_p
     b2[:, :h] = bias2.float()
     w13, s13, b13 = swap_every_two_rows(w13, -2), swap_every_two_rows(s13, -2), swap_every_two_rows(b13, -1)
 
-    cache: dict = {}
+    cache = {} if cache is None else cache
     out = {k: [] for k in ("gemm1_weights", "gemm1_weights_scale", "gemm1_bias",
                            "gemm2_weights", "gemm2_weights_scale", "gemm2_bias")}
     for i in range(e):
