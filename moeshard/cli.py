@@ -185,7 +185,7 @@ def convert(
 
 @app.command(epilog="Examples:\n\n  moeshard inspect ./gpt-oss-120b\n\n  moeshard inspect out/ --json")
 def inspect(
-    path: Annotated[Path, typer.Argument(help="A checkpoint folder or a moeshard artifact.")],
+    path: Annotated[str, typer.Argument(help="A checkpoint folder, a Hub repo id, or a moeshard artifact.")],
     as_json: JsonOpt = False,
 ) -> None:
     """Show family, quant format, layers, experts, shapes, per-rank sizes and kernel arguments."""

@@ -7,8 +7,12 @@ from pathlib import Path
 from moeshard.convert.manifest import is_artifact, read_manifest
 
 
-def inspect_path(path: Path) -> dict:
-    """Summary of a checkpoint folder or an artifact (decided by the presence of moeshard.json)."""
+def inspect_path(path: Path | str) -> dict:
+    """Summary of a checkpoint folder, a Hub repo id, or an artifact (it has moeshard.json)."""
+    from moeshard.convert.hub import looks_like_repo_id, resolve
+
+    if looks_like_repo_id(str(path)):
+        path, _ = resolve(str(path))
     path = Path(path)
     if is_artifact(path):
         m = read_manifest(path)

@@ -196,3 +196,12 @@ def test_push_makes_one_commit_with_every_file_and_a_model_card(tmp_path, artifa
     assert "moeshard.load_rank" in card and "| 1 | 1 | 0 | 8..15 (8) | 0..192 |" in card and "nvfp4" in card
     assert made["card_tags"] == ["moeshard", "flashinfer", "trtllm-gen", "nvfp4"]
     assert made["repo"] == ("me/ds-tiny-ep2", {"private": None, "exist_ok": True, "repo_type": "model"})
+
+
+def test_inspect_a_repo_id_from_the_cache(tmp_path, llama4_tiny, offline, monkeypatch):
+    from moeshard.inspect import inspect_path
+
+    hub_cache(tmp_path / "hub", "nvidia/scout-tiny", llama4_tiny)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    info = inspect_path("nvidia/scout-tiny")
+    assert info["family"] == "llama4" and info["num_experts"] == 8
