@@ -43,13 +43,13 @@ def main() -> None:
         layer = res.manifest["moe_layers"][0]["layer"]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        report = validate(out, layers=[layer], tokens=a.tokens, backend="decode", device="cuda")
+        result = validate(out, layers=[layer], tokens=a.tokens, backend="decode", device="cuda")
         torch.cuda.synchronize()
         t_val = time.perf_counter() - t0
         rows.append({"case": name, "experts": res.manifest["num_experts"], "ranks": 8, "tokens": a.tokens,
                      "fixture_s": round(t_fix, 2), "convert_s": round(res.seconds, 2),
-                     "validate_s": round(t_val, 2), "passed": report.passed,
-                     "max_rel_error": max(r.rel_error for r in report.rows),
+                     "validate_s": round(t_val, 2), "passed": result.passed,
+                     "max_rel_error": max(r.rel_error for r in result.rows),
                      "gpu": torch.cuda.get_device_name()})
     report(rows, a.json_out)
 
