@@ -84,9 +84,9 @@ def main() -> None:
     ap.add_argument("--readers", type=int, default=None, help="reader threads of load_rank (default: its own)")
     a = ap.parse_args()
     if a.readers:
-        import moeshard.load
+        from moeshard import load as loader
 
-        moeshard.load.READERS = a.readers
+        loader.READERS = a.readers
     src, out = a.work / "src", a.work / "out"
     if not src.exists():
         fixture("gpt-oss", "gpt-oss-120b", src, layers=a.layers)
