@@ -95,6 +95,7 @@ def main() -> None:
     info = read_manifest(out)["ranks"][RANK]
     files = [out / f["path"] for f in info["files"]]
     rows = []
+    cache: dict = {}  # the engines' index cache: empty for the cold run, kept for the warm one
     for state in ("cold", "warm"):
         dropped = drop_caches() if state == "cold" else None
         if state == "warm":  # bring the rank's files into the page cache first
@@ -110,10 +111,8 @@ def main() -> None:
         if state == "cold":
             drop_caches()
         else:
-            engines_today(src, info["experts"], warm_cache)  # source pages cached too
-        cache: dict = {} if state == "cold" else warm_cache
+            engines_today(src, info["experts"], cache)  # source pages cached too
         t_b, b_bytes = engines_today(src, info["experts"], cache)
-        warm_cache = cache
         lim = max(t_read, t_h2d)
         rows.append({"cache": state, "page_cache_dropped": dropped, "a_load_rank_s": round(t_a, 3),
                      "a_bytes_gb": round(rw.bytes_read / 1e9, 3), "b_engines_today_s": round(t_b, 3),

@@ -13,7 +13,6 @@ from pathlib import Path
 import huggingface_hub
 import huggingface_hub.constants
 import pytest
-import torch
 
 from moeshard.convert.families import detect_config
 from moeshard.convert.hub import ALLOW_PATTERNS, needed_files, needed_tensors

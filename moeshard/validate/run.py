@@ -169,7 +169,7 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
         if spec.family.value != m["family"]:
             raise MoeshardError(f"{src}: source family {spec.family.value} but {out} was made from {m['family']}")
         fmt = spec.quant_format
-        h, i = spec.hidden_size, spec.intermediate_size
+        h = spec.hidden_size
         h_pad, i_pad = m["padding"]["hidden_size_padded"], m["padding"]["intermediate_size_padded"]
         rank_info = {r["rank"]: r for r in m["ranks"]}
         for layer in layers:
