@@ -13,6 +13,16 @@ TENSOR_ARGS = ("gemm1_weights", "gemm1_weights_scale", "gemm1_bias", "gemm1_alph
                "output1_scale_gate_scalar", "output2_scale_scalar")
 
 
+def flashinfer_version() -> str | None:
+    """The installed flashinfer-python's version, or None (it is not needed to read artifacts)."""
+    try:
+        from importlib.metadata import version
+
+        return version("flashinfer-python")
+    except Exception:  # noqa: BLE001 - not installed is an answer, not an error
+        return None
+
+
 def static_kernel_args(tensors: dict[str, torch.Tensor], kernel_args: dict, rank: dict) -> dict:
     """Every argument of ``trtllm_fp4_block_scale_moe`` that does not depend on the tokens.
 

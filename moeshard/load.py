@@ -20,7 +20,7 @@ import torch
 from moeshard.convert.io import DTYPES
 from moeshard.convert.manifest import read_manifest
 from moeshard.errors import MoeshardError
-from moeshard.kernel import static_kernel_args
+from moeshard.kernel import flashinfer_version, static_kernel_args
 from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION
 
 CHUNK = 32 << 20
@@ -71,15 +71,6 @@ class RankWeights:
     common_folder: Path | None  # every non-expert tensor, unchanged (None: a rank-only artifact without it)
     manifest: dict = field(repr=False)
     bytes_read: int = 0
-
-
-def _flashinfer_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("flashinfer-python")
-    except Exception:  # noqa: BLE001 - not installed
-        return None
 
 
 _PINNED: list[torch.Tensor] = []  # staging buffers, allocated once per process (cudaHostAlloc is slow)
@@ -175,7 +166,7 @@ def load_rank(artifact: Path | str, rank: int, device: str | torch.device = "cud
         raise MoeshardError(f"{artifact / 'moeshard.json'}: layout: expected {LAYOUT_NAME} version {LAYOUT_VERSION}, "
                             f"found {lay['name']} version {lay['version']}; convert the checkpoint again with this "
                             "moeshard")
-    made_for, installed = m["tool"].get("flashinfer"), _flashinfer_version()
+    made_for, installed = m["tool"].get("flashinfer"), flashinfer_version()
     if check_flashinfer and made_for and installed and made_for != installed:
         raise MoeshardError(f"{artifact / 'moeshard.json'}: made for flashinfer-python {made_for}, found {installed} "
                             "installed; its kernels may expect another layout: convert again, or pass "

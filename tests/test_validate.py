@@ -120,11 +120,18 @@ def test_clean_artifacts_pass_with_every_expert_checked(artifacts):
         assert report.backend == "decode" and "not Blackwell" in report.notes[0]
 
 
-def test_backend_guard_names_the_gpu():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU; the guard is checked on the CPU")
+def test_backend_guard_names_the_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on every machine
     with pytest.raises(MoeshardError, match=r"--backend trtllm-gen: .*Blackwell \(SM100/SM103\) only; found no CUDA GPU"):
         select_backend("trtllm-gen", "cpu")
     with pytest.raises(MoeshardError, match="--device cuda: no CUDA GPU found"):
         select_backend("decode", "cuda")
     assert select_backend("decode", "cpu") == ("decode", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    with pytest.raises(MoeshardError, match=r"only; found NVIDIA H200 \(SM90\)"):
+        select_backend("trtllm-gen", "cuda")
+    assert select_backend("auto", "cuda")[0] == "decode"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    assert select_backend("auto", "cuda") == ("trtllm-gen", None)

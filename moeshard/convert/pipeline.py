@@ -18,13 +18,14 @@ from moeshard import __version__
 from moeshard.convert.distributed import Group
 from moeshard.convert.families import QuantFormat, detect, detect_config
 from moeshard.convert.hub import HubSource, needed_files, needed_tensors, resolve
-from moeshard.convert.io import DTYPE_CODES, INDEX_NAME, index_doc, json_text
+from moeshard.convert.io import INDEX_NAME, index_doc, json_text
 from moeshard.convert.writer import StreamingWriter
 from moeshard.convert.manifest import SCHEMA_VERSION, is_artifact
 from moeshard.convert.output import OutputDir, check_free_space
 from moeshard.convert.plan import PLACEMENT_ENGINES, OutFile, Plan, RankPlan, make_plan, rank_experts
 from moeshard.convert.source import Checkpoint, load_json
 from moeshard.errors import MoeshardError
+from moeshard.kernel import flashinfer_version
 from moeshard.layouts.canonical import CanonicalExperts, concat_experts, slice_intermediate
 from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, nvfp4_scalars, swiglu_oai_scalars, to_trtllm_padded
 
@@ -39,15 +40,6 @@ class ConvertResult:
     bytes_read: int
     bytes_written: int
     files_reused: int = 0
-
-
-def _flashinfer_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("flashinfer-python")
-    except Exception:  # noqa: BLE001 - not installed is an answer, not an error
-        return None
 
 
 def read_rank_experts(adapter, ckpt: Checkpoint, spec, layer: int, experts: tuple[int, ...] | list[int],
@@ -106,7 +98,7 @@ def build_manifest(plan: Plan, files: dict[str, dict], source: dict, ranks: list
     ranks = list(plan.ranks) if ranks is None else ranks
     return {
         "schema_version": SCHEMA_VERSION,
-        "tool": {"name": "moeshard", "version": __version__, "flashinfer": _flashinfer_version()},
+        "tool": {"name": "moeshard", "version": __version__, "flashinfer": flashinfer_version()},
         "source": source,
         "family": spec.family.value,
         "quant_format": spec.quant_format.value,
@@ -361,4 +353,4 @@ def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep
                          sum(x[3] for x in results))
 
 
-__all__ = ["ConvertResult", "DTYPE_CODES", "convert", "rank_layer_tensors", "read_rank_experts"]
+__all__ = ["ConvertResult", "convert", "rank_layer_tensors", "read_rank_experts"]
