@@ -60,7 +60,7 @@ def parse_ints(text: str | None) -> list[int] | None:
     return out
 
 
-def _progress(enabled: bool, total: int | None = None, description: str = ""):
+def _progress(enabled: bool, total: int | None = None, description: str = "", in_bytes: bool = False):
     """A rich progress bar on stderr (only on a terminal and when enabled), as (context, tick)."""
     from contextlib import nullcontext
 
@@ -69,7 +69,7 @@ def _progress(enabled: bool, total: int | None = None, description: str = ""):
     if not enabled or not err_console.is_terminal:
         return nullcontext(), (lambda *a: None)
     columns = [TextColumn("{task.description}"), BarColumn()]
-    if total is not None:
+    if total is not None or in_bytes:
         columns += [DownloadColumn(), TransferSpeedColumn()]
     columns += [TimeElapsedColumn()]
     prog = Progress(*columns, console=err_console, transient=True)
@@ -78,6 +78,7 @@ def _progress(enabled: bool, total: int | None = None, description: str = ""):
     def tick(n: int = 0, what: str = "") -> None:
         prog.update(task, advance=n, description=f"{description} {what}".strip())
 
+    tick.total = lambda n: prog.update(task, total=n)  # known once the library has planned
     return prog, tick
 
 
@@ -159,7 +160,7 @@ def convert(
             f"plan: {len(plan.ranks)} ranks, {sum(len(r.files) for r in plan.ranks)} rank files, "
             f"{len(plan.common)} common files, {_fmt_bytes(plan.total_bytes)} to write (dry run: nothing written)")
         return
-    ctx, tick = _progress(not (as_json or quiet), description="converting")
+    ctx, tick = _progress(not (as_json or quiet), description="converting", in_bytes=True)
     with ctx:
         res = run(source, output, ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
                   max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite, resume=resume, device=device,

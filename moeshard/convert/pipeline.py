@@ -29,6 +29,7 @@ from moeshard.kernel import flashinfer_version
 from moeshard.layouts.canonical import CanonicalExperts, concat_experts, slice_intermediate
 from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, nvfp4_scalars, swiglu_oai_scalars, to_trtllm_padded
 
+#: progress(bytes_done_now, what): called as bytes are written; progress.total(n) once planned.
 Progress = Callable[[int, str], None]
 
 
@@ -173,7 +174,7 @@ def _write_chunk(w: StreamingWriter, tensors: dict[str, torch.Tensor], first: in
             w.write(name, t, first)
 
 
-def write_common_file(ckpt: Checkpoint, f: OutFile, path: Path, pool, chunk_bytes: int = CHUNK_BYTES,
+def write_common_file(ckpt: Checkpoint, f: OutFile, path: Path, chunk_bytes: int = CHUNK_BYTES,
                       tick: Progress | None = None) -> None:
     """Copy non-expert tensors unchanged: file to file in the kernel (``copy_file_range``, as
     ``cp`` does), or in row chunks through memory where the file system cannot."""
@@ -286,6 +287,8 @@ def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep
                 "max_shard_bytes": max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
                 "ranks": [r.rank for r in chosen], "common": common}
         tick = progress or (lambda n, what: None)
+        if hasattr(tick, "total"):
+            tick.total(sum(f.nbytes for r in chosen for f in r.files) + (sum(f.nbytes for f in plan.common) if common else 0))
         if group.leader and not resume:
             check_free_space(out, sum(f.nbytes for r in chosen for f in r.files)
                              + (sum(f.nbytes for f in plan.common) if common else 0))  # before anything is created
@@ -316,7 +319,7 @@ def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep
                         od.write(f.path, lambda tmp, r=r, f=f: write_rank_file(
                             plan, ckpt, adapter, r, f, tmp, pool, device, scales, chunk_bytes, tick))
                     else:
-                        od.write(f.path, lambda tmp, f=f: write_common_file(ckpt, f, tmp, pool, chunk_bytes, tick))
+                        od.write(f.path, lambda tmp, f=f: write_common_file(ckpt, f, tmp, chunk_bytes, tick))
                 records = od.records()
             except Exception as e:  # noqa: BLE001 - every process must reach the gather below
                 if group.world == 1:
