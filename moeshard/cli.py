@@ -300,7 +300,7 @@ def validate(
     ranks: Annotated[Optional[str], typer.Option(help="Ranks to check, e.g. 0-3 (default: all).")] = None,
     tokens: Annotated[int, typer.Option(help="Number of random hidden states per layer.")] = 32,
     seed: Annotated[int, typer.Option(help="Seed of the hidden states.")] = 0,
-    backend: Annotated[str, typer.Option(help="auto or decode.")] = "auto",
+    backend: Annotated[str, typer.Option(help="auto (trtllm-gen on Blackwell, else decode), trtllm-gen or decode.")] = "auto",
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
