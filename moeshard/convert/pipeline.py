@@ -150,8 +150,13 @@ def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter, rank: RankPlan, f: Ou
         for layer in f.layers:
             per_expert = sum(t.nbytes for t in plan.layer_tensors(layer, 1))
             step = max(1, chunk_bytes // per_expert)
-            for k in range(0, len(rank.experts), step):
-                chunk = rank.experts[k:k + step]
+            chunks = [rank.experts[k:k + step] for k in range(0, len(rank.experts), step)]
+            prefix = plan.spec.prefix(layer) + "."
+            names = [n for n in plan.spec.expert_tensors if n.startswith(prefix)]
+            prefetch_experts(ckpt, prefix, names, chunks[0])
+            for k, chunk in zip(range(0, len(rank.experts), step), chunks):
+                if k // step + 1 < len(chunks):  # the disk reads the next chunk while this one is transformed
+                    prefetch_experts(ckpt, prefix, names, chunks[k // step + 1])
                 tensors = rank_layer_tensors(plan, ckpt, adapter, layer, rank, device, (scales or {}).get(layer), chunk)
                 while len(pending) >= 2:
                     pending.pop(0).result()
@@ -163,6 +168,19 @@ def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter, rank: RankPlan, f: Ou
     finally:
         wait(pending)  # never close the file under a write still running (after an error elsewhere)
         w.close()
+
+
+def prefetch_experts(ckpt: Checkpoint, prefix: str, names: list[str], experts: tuple[int, ...]) -> None:
+    """Start reading the source bytes of these experts of one layer (``names``: the layer's expert
+    tensors under ``prefix``; see :meth:`Checkpoint.prefetch`): their rows of fused tensors, or
+    their own tensors (per-expert checkpoints)."""
+    lo, hi, wanted = min(experts), max(experts) + 1, {str(e) for e in experts}
+    for name in names:
+        head = name[len(prefix):].split(".")[0]
+        if not head.isdigit():
+            ckpt.prefetch(name, lo, hi)
+        elif head in wanted:
+            ckpt.prefetch(name)
 
 
 def _write_chunk(w: StreamingWriter, tensors: dict[str, torch.Tensor], first: int) -> None:
