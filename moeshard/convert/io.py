@@ -38,7 +38,6 @@ DTYPES: dict[str, torch.dtype] = {
     "F4": torch.float4_e2m1fn_x2,
     "C64": torch.complex64,
 }
-DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
