@@ -39,7 +39,7 @@ LOOP = r'''
 import sys, time, torch
 sys.path.insert(0, sys.argv[2])
 from _reference import vllm_gpt_oss_trtllm, vllm_nvfp4_trtllm
-from moeshard.convert.families import detect
+from moeshard.convert.families import detect, read_experts
 from moeshard.convert.source import Checkpoint
 from moeshard.layouts.scales import interleave_scales_128x4
 per_expert = lambda s: interleave_scales_128x4(s[None]).flatten()
@@ -53,7 +53,7 @@ with Checkpoint(sys.argv[1]) as ck:
                                 rd("down_proj_blocks"), rd("down_proj_scales"), rd("down_proj_bias"), 3072, 3072,
                                 interleave=per_expert)
         else:
-            c = a.read_experts(ck, spec, layer, 0, spec.num_experts)
+            c = read_experts(a, ck, spec, layer, 0, spec.num_experts)
             a13, a2 = a.input_scales(ck, spec, layer)
             vllm_nvfp4_trtllm(c.w13, c.w13_scale, c.w2, c.w2_scale, c.w13_scale_2, c.w2_scale_2, a13, a2,
                               interleave=per_expert)

@@ -1,9 +1,10 @@
 """On a CUDA GPU: moeshard's layout transform of one real-size layer against the per-expert loop
 serving engines run today (FlashInfer's helpers with an index cache, as vLLM does for GPT-OSS).
 
-Both start from the same canonical tensors already on the GPU and end with the kernel tensors
-on the GPU; both are checked byte-equal. Reports cold (first call, index built) and warm
-(median of repeats) milliseconds.
+All start from tensors already on the GPU (moeshard's canonical experts, or the checkpoint's own
+tensors; the engines' loop from the checkpoint's tensors) and end with the kernel tensors on the
+GPU; all are checked byte-equal. Reports cold (first call, index built) and warm (median of
+repeats) milliseconds.
 
     python bench/transform_gpu.py --source /tmp/bench/gpt-oss-120b-src
 """
@@ -19,7 +20,7 @@ import torch
 from _common import cuda_block_scale_interleave, report
 from _reference import vllm_gpt_oss_trtllm
 
-from moeshard.convert.families import detect
+from moeshard.convert.families import detect, read_experts
 from moeshard.convert.source import Checkpoint
 from moeshard.layouts import trtllm
 from moeshard.layouts.canonical import pad_experts
@@ -53,24 +54,32 @@ def main() -> None:
         adapter = detect(ckpt)
         spec = adapter.spec(ckpt)
         layer = spec.moe_layers[0]
-        c = adapter.read_experts(ckpt, spec, layer, 0, spec.num_experts)
+        c = read_experts(adapter, ckpt, spec, layer, 0, spec.num_experts)
         raw = [ckpt.read(f"{spec.prefix(layer)}.{leaf}").cuda() for leaf in LEAVES]
+        fields = {}  # kind -> (source tensor, row map) on the GPU, as convert --device cuda reads them
+        for kind, field in trtllm.KERNEL_FIELDS.items():
+            src, rows = adapter.read_raw(ckpt, spec, layer, field, 0, spec.num_experts)
+            fields[kind] = (src.cuda(), None if rows is None else rows.cuda())
     hp = ip = 3072
     c = c.replace(**{k: v.cuda() for k, v in c.__dict__.items() if isinstance(v, torch.Tensor)})
     padded = pad_experts(c, hp, ip)
     trtllm._row_permutation.cache_clear()
     m_cold, m_warm, ours = timed(lambda: trtllm.to_trtllm(padded), a.repeats)
     f_cold, f_warm, fused = timed(lambda: trtllm.to_trtllm_padded(c, hp, ip), a.repeats)
+    s_cold, s_warm, direct = timed(lambda: {k: trtllm.trtllm_tensor(k, src, rows, hp, ip, 32)
+                                            for k, (src, rows) in fields.items()}, a.repeats)
     cache: dict = {}  # the engines' index cache, kept across calls as vLLM keeps it per layer
     v_cold, v_warm, theirs = timed(lambda: vllm_gpt_oss_trtllm(*raw, hp, ip, interleave=cuda_block_scale_interleave,
                                                                cache=cache), a.repeats)
     same = all(torch.equal(t.view(torch.uint8).flatten(), theirs[k].view(torch.uint8).flatten())
-               for res in (ours, fused) for k, t in res.items())
+               for res in (ours, fused, direct) for k, t in res.items())
     med = lambda xs: round(statistics.median(xs), 2)  # noqa: E731
     report([{"method": "moeshard to_trtllm on padded experts (batched gathers)", "cold_ms": round(m_cold, 2),
              "warm_ms": med(m_warm)},
-            {"method": "moeshard to_trtllm_padded (padding fused, as convert runs it)", "cold_ms": round(f_cold, 2),
+            {"method": "moeshard to_trtllm_padded (canonical experts, padding fused)", "cold_ms": round(f_cold, 2),
              "warm_ms": med(f_warm)},
+            {"method": "moeshard from the source tensors (one row map each, as convert --device cuda runs)",
+             "cold_ms": round(s_cold, 2), "warm_ms": med(s_warm)},
             {"method": "vLLM: FlashInfer per-expert loop + index cache", "cold_ms": round(v_cold, 2),
              "warm_ms": med(v_warm)}], a.json_out,
            f"gpt-oss-120b layer, {spec.num_experts} experts, padded {hp}, {torch.cuda.get_device_name()}; "

@@ -46,21 +46,82 @@ def test_shard_names_and_packing():
     assert json.dumps(pack_groups([], 10)) == "[[]]"
 
 
-def test_streaming_writer_fills_tensors_in_any_order(tmp_path):
-    from moeshard.convert.writer import StreamingWriter
+@pytest.mark.parametrize("direct", [True, False])
+def test_sequential_writer_in_file_order_with_its_hash(tmp_path, monkeypatch, direct):
+    """Tensors come in file order, in pieces that straddle staging buffers at unaligned offsets;
+    the file reads back with safetensors and the returned hash is the file's."""
+    import hashlib
 
-    a = torch.arange(24, dtype=torch.uint8).view(4, 6)
-    b = torch.randn(3, 2).to(torch.float8_e4m3fn)
-    w = StreamingWriter(tmp_path / "s.safetensors", [("a", "U8", (4, 6)), ("b", "F8_E4M3", (3, 2)),
-                                                     ("s", "F32", ())])
-    w.write("s", torch.tensor(2.5))
-    w.write("a", a[2:], 2)
-    w.write("b", b)
-    w.write("a", a[:2], 0)
-    with pytest.raises(ValueError, match="overflow"):
-        w.write("a", a, 1)
-    w.close()
-    with safe_open(tmp_path / "s.safetensors", "pt") as f:
-        assert torch.equal(f.get_tensor("a"), a) and f.get_tensor("s").item() == 2.5
-        assert torch.equal(f.get_tensor("b").view(torch.uint8), b.view(torch.uint8))
-        assert f.metadata() == {"format": "pt"}
+    from moeshard.convert import writer as wmod
+
+    monkeypatch.setattr(wmod, "BUFFER_BYTES", 3 * wmod.ALIGN)  # many flushes, tails carried over
+    for seed in range(2):  # the second file reuses the first one's staging buffers
+        torch.manual_seed(seed)
+        a = torch.randint(0, 256, (40, 1000), dtype=torch.uint8)
+        b = torch.randn(3, 2).to(torch.float8_e4m3fn)
+        f = tmp_path / f"s{seed}.safetensors"
+        w = wmod.SequentialWriter(f, [("a", "U8", (40, 1000)), ("b", "F8_E4M3", (3, 2)), ("s", "F32", ())],
+                                  max_take=7000, direct=direct)
+        assert w.order == ["s", "a", "b"]  # wider dtypes first, as safetensors lays them out
+        with pytest.raises(ValueError, match="not the next ones"):
+            w.take("a", 10)  # "s" comes first
+        w.put("s", torch.tensor(2.5))
+        for k in range(0, 40, 7):
+            w.take("a", a[k:k + 7].numel()).copy_(a[k:k + 7].reshape(-1))
+        with pytest.raises(ValueError, match="not the next ones"):
+            w.take("b", 7)  # 6 bytes only
+        w.put("b", b)
+        sha = w.close().result()
+        assert sha == hashlib.sha256(f.read_bytes()).hexdigest()
+        with safe_open(f, "pt") as g:
+            assert torch.equal(g.get_tensor("a"), a) and g.get_tensor("s").item() == 2.5
+            assert torch.equal(g.get_tensor("b").view(torch.uint8), b.view(torch.uint8))
+            assert g.metadata() == {"format": "pt"}
+
+
+@pytest.mark.parametrize("refuses", ["open", "write"])
+def test_sequential_writer_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch, refuses):
+    """A file system that refuses O_DIRECT at open, or only at the first write (EINVAL), still
+    gets the exact file, through the page cache."""
+    import errno
+    import hashlib
+    import os
+
+    from moeshard.convert import writer as wmod
+
+    real_open, real_pwrite = os.open, os.pwrite
+    state = {"direct_fds": set()}
+
+    def fake_open(path, flags, *a):
+        if flags & os.O_DIRECT and refuses == "open":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(path, flags, *a)
+        (state["direct_fds"].add if flags & os.O_DIRECT else state["direct_fds"].discard)(fd)
+        return fd
+
+    def fake_pwrite(fd, data, offset):
+        if fd in state["direct_fds"]:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(wmod.os, "open", fake_open)
+    monkeypatch.setattr(wmod.os, "pwrite", fake_pwrite)
+    a = torch.randint(0, 256, (5, 3001), dtype=torch.uint8)
+    f = tmp_path / "s.safetensors"
+    w = wmod.SequentialWriter(f, [("a", "U8", (5, 3001))])
+    w.put("a", a)
+    sha = w.close().result()
+    assert not w.direct and sha == hashlib.sha256(f.read_bytes()).hexdigest()
+    with safe_open(f, "pt") as g:
+        assert torch.equal(g.get_tensor("a"), a)
+
+
+def test_sequential_writer_refuses_an_incomplete_file(tmp_path):
+    from moeshard.convert.writer import SequentialWriter
+
+    w = SequentialWriter(tmp_path / "s.safetensors", [("a", "U8", (4, 6))])
+    w.take("a", 12).zero_()
+    with pytest.raises(ValueError, match=r"108 of 120 bytes"):
+        w.close()
+
+

@@ -59,3 +59,25 @@ def test_fused_padding_equals_pad_then_layout(h, i, hp, ip):
     assert sorted(got) == sorted(want)
     for k in want:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("rows", [[3, 1, 4, 0, -1, -1], [3, -1, 1, 4, -1, 0], [-1, 2]])
+def test_gather_rows_against_plain_indexing(rows):
+    """Zero rows last (one gather per expert into place) or anywhere; a column-sliced source;
+    a destination full of stale bytes (a reused staging buffer) is overwritten everywhere."""
+    from moeshard.layouts.trtllm import gather_rows
+
+    rows = torch.tensor(rows)
+    valid = rows >= 0
+    full = torch.randint(0, 256, (3, 5, 24), dtype=torch.uint8)
+    for src in (full, full[:, :, 8:], full[:, :, :16].view(torch.int16)):
+        c = src.shape[2]
+        want = torch.zeros(3, len(rows), c + 4, dtype=src.dtype)
+        want[:, valid, :c] = src[:, rows[valid]]
+        assert torch.equal(gather_rows(src, rows, c + 4), want)
+        out = torch.full_like(want, 7)
+        assert gather_rows(src, rows, c + 4, out=out) is out and torch.equal(out, want)
+    bias = torch.randn(3, 5)
+    want = torch.zeros(3, len(rows))
+    want[:, valid] = bias[:, rows[valid]]
+    assert torch.equal(gather_rows(bias, rows, 1), want)

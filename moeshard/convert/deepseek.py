@@ -7,7 +7,6 @@ import torch
 from moeshard.convert.families import Family, ModelSpec, QuantFormat
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
-from moeshard.layouts.canonical import CanonicalExperts
 
 PREFIX = "model.layers.{layer}.mlp.experts"
 #: Per expert M and projection P in (gate_proj, up_proj, down_proj), nvidia/DeepSeek-R1-FP4
@@ -114,11 +113,33 @@ class DeepSeekAdapter:
             activation={"type": "swiglu", "activation_type": 3},
             router=dict(ROUTER), expert_tensors=frozenset(names))
 
-    def read_experts(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int) -> CanonicalExperts:
+    #: Canonical field -> its source tensors per expert, in canonical row order (for prefetching).
+    sources = {"w13": ("up_proj.weight", "gate_proj.weight"), "w2": ("down_proj.weight",),
+               "w13_scale": ("up_proj.weight_scale", "gate_proj.weight_scale"), "w2_scale": ("down_proj.weight_scale",)}
+
+    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
+                 ) -> tuple[torch.Tensor, None] | None:
+        """Experts ``[start, stop)`` of one canonical field (``[up ; gate]`` rows stacked: one copy)."""
+        if field not in self.sources:
+            return None  # no biases
         p = spec.prefix(layer)
-        w13, s13, w2, s2, g2, d2, gi, di = [], [], [], [], [], [], [], []
+        parts = []
         for x in range(start, stop):
-            rd = lambda proj, leaf: ckpt.read(f"{p}.{x}.{proj}.{leaf}")  # noqa: E731
+            for leaf in self.sources[field]:
+                name = f"{p}.{x}.{leaf}"
+                t = ckpt.read(name).view(torch.uint8)
+                parts.append(ckpt.check_scales(name, t, True) if field.endswith("_scale") else t)
+        k = len(self.sources[field])
+        rows = [torch.cat(parts[j:j + k]) if k > 1 else parts[j] for j in range(0, len(parts), k)]
+        return torch.stack(rows), None
+
+    def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
+                     ) -> dict[str, torch.Tensor]:
+        """``w13_scale_2``, ``w2_scale_2``, ``w13_input_scale``, ``w2_input_scale``: ``[n]`` float32.
+        Gate and up must share ``weight_scale_2`` (the fused GEMM1 has one)."""
+        p = spec.prefix(layer)
+        g2, d2, gi, di = [], [], [], []
+        for x in range(start, stop):
             sc = lambda proj, leaf: read_scalar(ckpt, f"{p}.{x}.{proj}.{leaf}")  # noqa: E731
             gate_s2, up_s2 = sc("gate_proj", "weight_scale_2"), sc("up_proj", "weight_scale_2")
             if gate_s2 != up_s2:
@@ -126,18 +147,12 @@ class DeepSeekAdapter:
                     f"{ckpt.info(f'{p}.{x}.up_proj.weight_scale_2').file}: {p}.{x}.up_proj.weight_scale_2: expected "
                     f"the gate_proj value {gate_s2.item()!r} (the fused GEMM1 has one weight_scale_2), found "
                     f"{up_s2.item()!r}")
-            scale = lambda proj: ckpt.check_scales(f"{p}.{x}.{proj}.weight_scale", rd(proj, "weight_scale"), True)  # noqa: E731
-            w13.append(torch.cat((rd("up_proj", "weight"), rd("gate_proj", "weight"))))
-            s13.append(torch.cat((scale("up_proj"), scale("gate_proj"))).view(torch.uint8))
-            w2.append(rd("down_proj", "weight"))
-            s2.append(scale("down_proj").view(torch.uint8))
             g2.append(gate_s2)
             d2.append(sc("down_proj", "weight_scale_2"))
             gi.append(torch.maximum(sc("gate_proj", "input_scale"), sc("up_proj", "input_scale")))
             di.append(sc("down_proj", "input_scale"))
-        return CanonicalExperts(w13=torch.stack(w13), w13_scale=torch.stack(s13), w2=torch.stack(w2),
-                                w2_scale=torch.stack(s2), w13_scale_2=torch.stack(g2), w2_scale_2=torch.stack(d2),
-                                w13_input_scale=torch.stack(gi), w2_input_scale=torch.stack(di))
+        return {"w13_scale_2": torch.stack(g2), "w2_scale_2": torch.stack(d2), "w13_input_scale": torch.stack(gi),
+                "w2_input_scale": torch.stack(di)}
 
     def input_scales(self, ckpt: Checkpoint, spec: ModelSpec, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(a13, a2)``: the layer's maxima of GEMM1 and GEMM2 ``input_scale`` over all experts."""

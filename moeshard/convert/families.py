@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from moeshard.convert.source import Checkpoint
     from moeshard.layouts.canonical import CanonicalExperts
 
@@ -70,12 +72,42 @@ class Adapter(Protocol):
     def spec(self, ckpt: "Checkpoint") -> ModelSpec:
         """Validate every expert tensor's header against the config; raise MoeshardError if off."""
 
-    def read_experts(self, ckpt: "Checkpoint", spec: ModelSpec, layer: int, start: int, stop: int) -> "CanonicalExperts":
-        """Experts ``[start, stop)`` of one layer in canonical form, unpadded."""
+    sources: dict[str, tuple[str, ...]]
+    """Canonical field -> the leaf names of its source tensors (prefetching reads them ahead)."""
+
+    def read_raw(self, ckpt: "Checkpoint", spec: ModelSpec, layer: int, field: str, start: int, stop: int
+                 ) -> "tuple[Tensor, Tensor | None] | None":
+        """Experts ``[start, stop)`` of one canonical field (``w13``, ``w13_scale``, ``w2``,
+        ``w2_scale``, ``w13_bias``, ``w2_bias``; see :class:`CanonicalExperts`), unpadded:
+        ``(src, rows)`` where ``src[:, rows]`` (``src`` when rows is None) is the field, so that
+        a checkpoint's own row order is read in place; None for a field the family lacks.
+        Block scales are checked for NaN codes."""
+
+    def read_scalars(self, ckpt: "Checkpoint", spec: ModelSpec, layer: int, start: int, stop: int
+                     ) -> "dict[str, Tensor]":
+        """NVFP4: ``w13_scale_2``, ``w2_scale_2``, ``w13_input_scale``, ``w2_input_scale``
+        ``[n]`` float32 of experts ``[start, stop)``; MXFP4: {}."""
 
     # NVFP4 families also have:
     # def input_scales(self, ckpt, spec, layer) -> tuple[Tensor, Tensor]:
     #     """(a13, a2): the layer's maxima of the GEMM1 / GEMM2 input_scale over all experts."""
+
+
+#: The canonical fields that are tensors of rows (the rest are per-expert scalars).
+ROW_FIELDS = ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias")
+
+
+def read_experts(adapter: Adapter, ckpt: "Checkpoint", spec: ModelSpec, layer: int, start: int,
+                 stop: int) -> "CanonicalExperts":
+    """Experts ``[start, stop)`` of one layer in canonical form, unpadded."""
+    from moeshard.layouts.canonical import CanonicalExperts
+
+    fields = {}
+    for f in ROW_FIELDS:
+        if (got := adapter.read_raw(ckpt, spec, layer, f, start, stop)) is not None:
+            src, rows = got
+            fields[f] = src if rows is None else src.index_select(1, rows)
+    return CanonicalExperts(**fields, **adapter.read_scalars(ckpt, spec, layer, start, stop))
 
 
 def adapters() -> dict[Family, Adapter]:

@@ -7,7 +7,6 @@ import torch
 from moeshard.convert.families import Family, ModelSpec, QuantFormat
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
-from moeshard.layouts.canonical import CanonicalExperts
 
 PREFIX = "model.layers.{layer}.mlp.experts"
 #: Expert tensors of one layer: name -> (dtype code, shape as a function of E, H, I).
@@ -24,9 +23,9 @@ ROUTER = {"weight": "model.layers.{layer}.mlp.router.weight", "bias": "model.lay
 ROUTING_RENORMALIZE = 1  # flashinfer RoutingMethodType.Renormalize: TopK -> Softmax
 
 
-def _deinterleave(t: torch.Tensor) -> torch.Tensor:
-    """Rows interleaved ``[g0, u0, g1, u1, ...]`` (dim 1) -> ``[up ; gate]``."""
-    return torch.cat((t[:, 1::2], t[:, 0::2]), dim=1)
+def _deinterleaved_rows(two_i: int) -> torch.Tensor:
+    """Source row of each canonical ``[up ; gate]`` row: the source interleaves ``[g0, u0, g1, u1, ...]``."""
+    return torch.cat((torch.arange(1, two_i, 2), torch.arange(0, two_i, 2)))
 
 
 class GptOssAdapter:
@@ -84,17 +83,20 @@ class GptOssAdapter:
             expert_tensors=frozenset(names),
         )
 
-    def read_experts(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int) -> CanonicalExperts:
-        p = spec.prefix(layer)
-        rd = lambda leaf: ckpt.read(f"{p}.{leaf}", start, stop)  # noqa: E731
-        w13 = rd("gate_up_proj_blocks")
-        w2 = rd("down_proj_blocks")
-        sc = lambda leaf: ckpt.check_scales(f"{p}.{leaf}", rd(leaf), False, start)  # noqa: E731
-        return CanonicalExperts(
-            w13=_deinterleave(w13.flatten(-2)),
-            w13_scale=_deinterleave(sc("gate_up_proj_scales")),
-            w2=w2.flatten(-2),
-            w2_scale=sc("down_proj_scales"),
-            w13_bias=_deinterleave(rd("gate_up_proj_bias").float()),
-            w2_bias=rd("down_proj_bias").float(),
-        )
+    #: Canonical field -> its source tensor (for prefetching).
+    sources = {"w13": ("gate_up_proj_blocks",), "w13_scale": ("gate_up_proj_scales",), "w13_bias": ("gate_up_proj_bias",),
+               "w2": ("down_proj_blocks",), "w2_scale": ("down_proj_scales",), "w2_bias": ("down_proj_bias",)}
+
+    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Experts ``[start, stop)`` of one canonical field, read in place (no copy): the fused
+        tensor's rows, with the row map that de-interleaves gate and up."""
+        name = f"{spec.prefix(layer)}.{self.sources[field][0]}"
+        t = ckpt.read(name, start, stop)
+        if field.endswith("_scale"):
+            ckpt.check_scales(name, t, False, start)
+        t = t.float() if field.endswith("bias") else t.flatten(-2) if t.dim() == 4 else t  # blocks: [n, rows, H/2]
+        return t, (_deinterleaved_rows(t.shape[1]) if field.startswith("w13") else None)
+
+    def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int) -> dict:
+        return {}

@@ -15,7 +15,6 @@ from moeshard.convert.deepseek import check_group_size, nvfp4_quant_algo, positi
 from moeshard.convert.families import Family, ModelSpec, QuantFormat
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
-from moeshard.layouts.canonical import CanonicalExperts
 
 PREFIX = "language_model.model.layers.{layer}.feed_forward.experts"
 #: nvidia/Llama-4-Scout-17B-16E-Instruct-FP4, per MoE layer: leaf -> (dtype, shape(E, H, I)).
@@ -31,12 +30,6 @@ EXPERT_TENSORS = {
 }
 ROUTER = {"weight": "language_model.model.layers.{layer}.feed_forward.router.weight"}
 ROUTING_LLAMA4 = 3  # flashinfer RoutingMethodType.Llama4: Top1 -> Sigmoid
-
-
-def _gate_up_to_canonical(t: torch.Tensor) -> torch.Tensor:
-    """``[E, K', 2I]`` (N = [gate ; up]) -> ``[E, 2I, K']`` rows ``[up ; gate]``, contiguous."""
-    i = t.shape[2] // 2
-    return torch.cat((t[:, :, i:], t[:, :, :i]), dim=2).transpose(1, 2).contiguous()
 
 
 class Llama4Adapter:
@@ -85,21 +78,35 @@ class Llama4Adapter:
             activation={"type": "swiglu", "activation_type": 3},
             router=dict(ROUTER), expert_tensors=frozenset(names))
 
-    def read_experts(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int) -> CanonicalExperts:
-        p = spec.prefix(layer)
-        rd = lambda leaf: ckpt.read(f"{p}.{leaf}", start, stop)  # noqa: E731
-        n = stop - start
-        s13 = read_scalar(ckpt, f"{p}.gate_up_proj_weight_scale_2")
-        s2 = read_scalar(ckpt, f"{p}.down_proj_weight_scale_2")
+    #: Canonical field -> its source tensor (for prefetching).
+    sources = {"w13": ("gate_up_proj",), "w13_scale": ("gate_up_proj_weight_scale",), "w2": ("down_proj",),
+               "w2_scale": ("down_proj_weight_scale",)}
+
+    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Experts ``[start, stop)`` of one canonical field: the fused bmm-layout tensor ``[n, K', N]``
+        transposed to ``[n, N, K']`` (one copy); GEMM1's N is ``[gate ; up]``, so its row map
+        swaps the halves into ``[up ; gate]``."""
+        if field not in self.sources:
+            return None  # no biases
+        name = f"{spec.prefix(layer)}.{self.sources[field][0]}"
+        t = ckpt.read(name, start, stop)
+        if field.endswith("_scale"):
+            t = ckpt.check_scales(name, t, True, start).view(torch.uint8)
+        t = t.transpose(1, 2).contiguous()
+        i = t.shape[1] // 2
+        return t, (torch.cat((torch.arange(i, 2 * i), torch.arange(i))) if field.startswith("w13") else None)
+
+    def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
+                     ) -> dict[str, torch.Tensor]:
+        """``w13_scale_2``, ``w2_scale_2``, ``w13_input_scale``, ``w2_input_scale``: ``[n]`` float32
+        (one value per fused tensor, the same for all experts)."""
+        p, n = spec.prefix(layer), stop - start
         a13, a2 = self.input_scales(ckpt, spec, layer)
-        sc = lambda leaf: ckpt.check_scales(f"{p}.{leaf}", rd(leaf), True, start).view(torch.uint8)  # noqa: E731
-        return CanonicalExperts(
-            w13=_gate_up_to_canonical(rd("gate_up_proj")),
-            w13_scale=_gate_up_to_canonical(sc("gate_up_proj_weight_scale")),
-            w2=rd("down_proj").transpose(1, 2).contiguous(),
-            w2_scale=sc("down_proj_weight_scale").transpose(1, 2).contiguous(),
-            w13_scale_2=s13.expand(n).clone(), w2_scale_2=s2.expand(n).clone(),
-            w13_input_scale=a13.expand(n).clone(), w2_input_scale=a2.expand(n).clone())
+        values = {"w13_scale_2": read_scalar(ckpt, f"{p}.gate_up_proj_weight_scale_2"),
+                  "w2_scale_2": read_scalar(ckpt, f"{p}.down_proj_weight_scale_2"), "w13_input_scale": a13,
+                  "w2_input_scale": a2}
+        return {k: v.expand(n).clone() for k, v in values.items()}
 
     def input_scales(self, ckpt: Checkpoint, spec: ModelSpec, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(a13, a2)``: one input_scale per fused expert tensor, shared by all experts."""

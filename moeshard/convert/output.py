@@ -10,7 +10,7 @@
 - The manifest is written last, then the journal and the lock are removed. A folder without
   ``moeshard.json`` is not an artifact.
 
-Hash: SHA-256 (``hashlib``), computed from the file just written.
+Hash: SHA-256 (``hashlib``), computed by the writer as it writes (or from the file just written).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import fcntl
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from moeshard.convert.io import sha256_file, write_json
@@ -151,14 +151,15 @@ class OutputDir:
         return rec if sha256_file(path) == rec["sha256"] else None
 
     def write(self, rel: str, writer) -> None:
-        """Write ``out/rel`` through ``writer(tmp_path)``; then, in a background thread while the
-        caller goes on with the next file: fsync, rename into place, sha256, journal.
-        :meth:`records` waits for those and returns every finished file's record."""
+        """Write ``out/rel`` through ``writer(tmp_path)``, which returns the file's sha256 (hex, or a
+        future of it) or None; then, in a background thread while the caller goes on with the next file: fsync,
+        rename into place, sha256 (if not given), journal. :meth:`records` waits for those and
+        returns every finished file's record."""
         path = self.out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         try:
-            writer(tmp)
+            sha = writer(tmp)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise self._write_error(path, e) from None
@@ -166,15 +167,17 @@ class OutputDir:
             for fut in self._pending:
                 fut.result()
             _maybe_fault(len(self._pending), tmp)
-        self._pending.append(self._finisher.submit(self._finish_file, rel, tmp, path))
+        self._pending.append(self._finisher.submit(self._finish_file, rel, tmp, path, sha))
 
-    def _finish_file(self, rel: str, tmp: Path, path: Path) -> None:
+    def _finish_file(self, rel: str, tmp: Path, path: Path, sha: str | Future | None) -> None:
         try:
             fsync_path(tmp)
             os.replace(tmp, path)
         except OSError as e:
             raise self._write_error(path, e) from None
-        rec = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        if isinstance(sha, Future):  # the writer hashed the bytes as it wrote them
+            sha = sha.result()
+        rec = {"bytes": path.stat().st_size, "sha256": sha or sha256_file(path)}
         with open(self.out / STATE_DIR / self.journal, "a") as j:
             j.write(json.dumps({"path": rel, **rec}) + "\n")
             j.flush()
@@ -195,7 +198,11 @@ class OutputDir:
 
     def write_text(self, rel: str, text: str) -> None:
         """A small text file (index), written and journaled like the others."""
-        self.write(rel, lambda tmp: tmp.write_text(text))
+        self.write(rel, lambda tmp: tmp.write_text(text) and None)
+
+    def copy(self, rel: str, src: Path) -> None:
+        """A file copied unchanged (config files), written and journaled like the others."""
+        self.write(rel, lambda tmp: shutil.copyfile(src, tmp) and None)
 
     def finish(self, manifest: dict) -> None:
         """Write the manifest (last), then drop the journal and the lock file."""

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import ExitStack
 from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,18 +15,25 @@ import torch
 
 from moeshard import __version__
 from moeshard.convert.distributed import Group
-from moeshard.convert.families import QuantFormat, detect, detect_config
+from moeshard.convert.families import QuantFormat, detect, detect_config, read_experts
 from moeshard.convert.hub import HubSource, needed_files, needed_tensors, resolve
-from moeshard.convert.io import INDEX_NAME, index_doc, json_text
-from moeshard.convert.writer import StreamingWriter
+from moeshard.convert.io import DTYPES, INDEX_NAME, index_doc, json_text
 from moeshard.convert.manifest import SCHEMA_VERSION, is_artifact
 from moeshard.convert.output import OutputDir, check_free_space
 from moeshard.convert.plan import PLACEMENT_ENGINES, OutFile, Plan, RankPlan, make_plan, rank_experts
 from moeshard.convert.source import Checkpoint, load_json
+from moeshard.convert.writer import SequentialWriter
 from moeshard.errors import MoeshardError
 from moeshard.kernel import flashinfer_version
 from moeshard.layouts.canonical import CanonicalExperts, concat_experts, slice_intermediate
-from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, nvfp4_scalars, swiglu_oai_scalars, to_trtllm_padded
+from moeshard.layouts.trtllm import (
+    KERNEL_FIELDS,
+    LAYOUT_NAME,
+    LAYOUT_VERSION,
+    nvfp4_scalars,
+    swiglu_oai_scalars,
+    trtllm_tensor,
+)
 
 #: progress(bytes_done_now, what): called as bytes are written; progress.total(n) once planned.
 Progress = Callable[[int, str], None]
@@ -43,17 +49,24 @@ class ConvertResult:
     files_reused: int = 0
 
 
+def expert_runs(experts) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive expert ids, in order: ``[(start, stop), ...]``."""
+    runs: list[list[int]] = []
+    for x in experts:
+        if runs and runs[-1][1] == x:
+            runs[-1][1] += 1
+        else:
+            runs.append([x, x + 1])
+    return [(a, b) for a, b in runs]
+
+
 def read_rank_experts(adapter, ckpt: Checkpoint, spec, layer: int, experts: tuple[int, ...] | list[int],
                       i_start: int, i_stop: int, tp_rank: int) -> CanonicalExperts:
-    """One rank's canonical experts of one layer, unpadded: its experts (one contiguous read, or
-    one read per expert for round-robin), its TP slice of the intermediate dimension, and the
-    down-projection bias only on TP rank 0 (zeros elsewhere, as vLLM loads it: the row-parallel
-    outputs are summed)."""
-    experts = list(experts)
-    if experts == list(range(experts[0], experts[0] + len(experts))):
-        c = adapter.read_experts(ckpt, spec, layer, experts[0], experts[-1] + 1)
-    else:
-        c = concat_experts([adapter.read_experts(ckpt, spec, layer, x, x + 1) for x in experts])
+    """One rank's canonical experts of one layer, unpadded: its experts (one read per run of
+    consecutive experts), its TP slice of the intermediate dimension, and the down-projection
+    bias only on TP rank 0 (zeros elsewhere, as vLLM loads it: the row-parallel outputs are
+    summed). The reference path (validate); convert reads the same in place (:func:`_rank_field`)."""
+    c = concat_experts([read_experts(adapter, ckpt, spec, layer, a, b) for a, b in expert_runs(experts)])
     if (i_start, i_stop) != (0, spec.intermediate_size):
         c = slice_intermediate(c, i_start, i_stop)
     if tp_rank > 0 and c.w2_bias is not None:
@@ -61,27 +74,41 @@ def read_rank_experts(adapter, ckpt: Checkpoint, spec, layer: int, experts: tupl
     return c
 
 
-def rank_layer_tensors(plan: Plan, ckpt: Checkpoint, adapter, layer: int, rank: RankPlan,
-                       device: str = "cpu", input_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       experts: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
-    """The kernel tensors of one MoE layer for one rank (or a chunk ``experts`` of its experts), on the CPU.
+def _rank_field(adapter, ckpt: Checkpoint, spec, layer: int, field: str, start: int, stop: int,
+                rank: RankPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:meth:`Adapter.read_raw` with the rank's TP slice applied in place: ``[up[s:t] ; gate[s:t]]``
+    rows of the GEMM1 fields (a row map), columns ``[s, t)`` of the GEMM2 ones (a view), as
+    :func:`slice_intermediate` cuts them; the GEMM2 bias is zero on TP ranks after the first."""
+    src, rows = adapter.read_raw(ckpt, spec, layer, field, start, stop)
+    i, sf, s, t = spec.intermediate_size, spec.quant_format.sf_vec_size, rank.i_start, rank.i_stop
+    if (s, t) != (0, i):
+        if field.startswith("w13"):
+            keep = torch.cat((torch.arange(s, t), torch.arange(i + s, i + t)))
+            rows = keep if rows is None else rows[keep]
+        elif field in ("w2", "w2_scale"):
+            per = 2 if field == "w2" else sf  # elements per stored column
+            src = src[:, :, s // per:t // per]
+    if field == "w2_bias" and rank.tp_rank > 0:
+        src = torch.zeros_like(src)
+    return src, rows
 
-    ``input_scales`` are the layer's ``(a13, a2)`` for NVFP4 (read from the source when None).
-    """
+
+def layer_scalars(plan: Plan, ckpt: Checkpoint, adapter, layer: int, rank: RankPlan,
+                  input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The kernel scalars of one rank's experts of one layer: GPT-OSS's SwiGLU constants, or
+    NVFP4's output scales from ``weight_scale_2`` and the layer's ``(a13, a2)`` (``input_scales``,
+    read from the source when None). Float32 ``[E]`` each (``hidden_states_scale_global`` ``[]``)."""
     spec = plan.spec
-    experts = rank.experts if experts is None else experts
-    c = read_rank_experts(adapter, ckpt, spec, layer, experts, rank.i_start, rank.i_stop, rank.tp_rank)
-    if device != "cpu":
-        c = c.replace(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in c.__dict__.items()})
-    t = to_trtllm_padded(c, plan.hidden_size_padded, plan.intermediate_size_padded, plan.epilogue_tile_m)
+    out: dict[str, torch.Tensor] = {}
     if spec.activation["type"] == "swiglu_oai":
         a = spec.activation
-        t.update(swiglu_oai_scalars(len(experts), a["limit"], a["alpha"], a["beta"]))
+        out.update(swiglu_oai_scalars(len(rank.experts), a["limit"], a["alpha"], a["beta"]))
     if spec.quant_format is QuantFormat.NVFP4:
+        parts = [adapter.read_scalars(ckpt, spec, layer, a, b) for a, b in expert_runs(rank.experts)]
         a13, a2 = input_scales if input_scales is not None else adapter.input_scales(ckpt, spec, layer)
-        t.update(nvfp4_scalars(c.w13_scale_2, c.w2_scale_2, a13.to(c.w13.device), a2.to(c.w13.device)))
-    p = spec.prefix(layer)
-    return {f"{p}.{k}": v.cpu() for k, v in t.items()}
+        out.update(nvfp4_scalars(torch.cat([p["w13_scale_2"] for p in parts]),
+                                 torch.cat([p["w2_scale_2"] for p in parts]), a13, a2))
+    return out
 
 
 def _kernel_args(plan: Plan, layer: int) -> dict:
@@ -135,45 +162,68 @@ def build_manifest(plan: Plan, files: dict[str, dict], source: dict, ranks: list
 
 
 #: Output bytes transformed per step: bounds memory whatever the layer or model size.
-CHUNK_BYTES = 256 * 10**6
+CHUNK_BYTES = 64 << 20
 
 
-def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter, rank: RankPlan, f: OutFile, path: Path, pool,
+def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter, rank: RankPlan, f: OutFile, path: Path,
                     device: str = "cpu", scales: dict | None = None, chunk_bytes: int = CHUNK_BYTES,
-                    tick: Progress | None = None) -> None:
-    """Fill one rank file chunk of experts by chunk of experts, writing each chunk into place in a
-    worker thread while the next one is read and transformed."""
-    planned = [t for layer in f.layers for t in plan.layer_tensors(layer, len(rank.experts))]
-    w = StreamingWriter(path, [(t.name, t.dtype, t.shape) for t in planned])
-    pending: list = []  # at most two chunks in flight: one being written, one waiting
+                    tick: Progress | None = None) -> Future:
+    """Write one rank file front to back; a future of its SHA-256 (:meth:`SequentialWriter.close`).
+
+    Each kernel tensor is produced chunk of experts by chunk of experts straight into the
+    writer's staging buffer (:func:`trtllm_tensor`: one gather from the source's memory map,
+    padding and permutations composed) while earlier buffers are written and hashed, and the
+    disk reads the next chunk ahead (``posix_fadvise``). ``device`` other than "cpu" runs the
+    gathers there.
+    """
+    spec, n = plan.spec, len(rank.experts)
+    tensors = {t.name: (layer, t) for layer in f.layers for t in plan.layer_tensors(layer, n)}
+    per_expert = {name: t.nbytes // n for name, (_, t) in tensors.items() if t.shape}
+    w = SequentialWriter(path, [(t.name, t.dtype, t.shape) for _, t in tensors.values()],
+                         max_take=max([chunk_bytes, *per_expert.values()]))
+    scalars: dict[int, dict[str, torch.Tensor]] = {}
+    sizes = (plan.hidden_size_padded, plan.intermediate_size_padded, spec.quant_format.sf_vec_size,
+             plan.epilogue_tile_m)
     try:
-        for layer in f.layers:
-            per_expert = sum(t.nbytes for t in plan.layer_tensors(layer, 1))
-            step = max(1, chunk_bytes // per_expert)
-            chunks = [rank.experts[k:k + step] for k in range(0, len(rank.experts), step)]
-            prefix = plan.spec.prefix(layer) + "."
-            names = [n for n in plan.spec.expert_tensors if n.startswith(prefix)]
-            prefetch_experts(ckpt, prefix, names, chunks[0])
-            for k, chunk in zip(range(0, len(rank.experts), step), chunks):
-                if k // step + 1 < len(chunks):  # the disk reads the next chunk while this one is transformed
-                    prefetch_experts(ckpt, prefix, names, chunks[k // step + 1])
-                tensors = rank_layer_tensors(plan, ckpt, adapter, layer, rank, device, (scales or {}).get(layer), chunk)
-                while len(pending) >= 2:
-                    pending.pop(0).result()
-                pending.append(pool.submit(_write_chunk, w, tensors, k))
+        for name in w.order:
+            layer, t = tensors[name]
+            prefix = spec.prefix(layer)
+            kind = name[len(prefix) + 1:]
+            if kind not in KERNEL_FIELDS:
+                if layer not in scalars:
+                    scalars[layer] = layer_scalars(plan, ckpt, adapter, layer, rank, (scales or {}).get(layer))
+                w.put(name, scalars[layer][kind])
+                continue
+            field, per = KERNEL_FIELDS[kind], per_expert[name]
+            step = max(1, chunk_bytes // per)
+            chunks = [rank.experts[k:k + step] for k in range(0, n, step)]
+            leaves = tuple("." + leaf for leaf in adapter.sources.get(field, ()))
+            sources = [x for x in spec.expert_tensors if x.startswith(prefix + ".") and x.endswith(leaves)]
+            prefetch_experts(ckpt, prefix + ".", sources, chunks[0])
+            for j, chunk in enumerate(chunks):
+                if j + 1 < len(chunks):  # the disk reads the next chunk while this one is transformed
+                    prefetch_experts(ckpt, prefix + ".", sources, chunks[j + 1])
+                dst = w.take(name, per * len(chunk)).view(DTYPES[t.dtype]).view(len(chunk), *t.shape[1:])
+                e = 0
+                for a, b in expert_runs(chunk):
+                    src, rows = _rank_field(adapter, ckpt, spec, layer, field, a, b, rank)
+                    if device == "cpu":
+                        trtllm_tensor(kind, src, rows, *sizes, out=dst[e:e + b - a])
+                    else:
+                        dst[e:e + b - a].copy_(trtllm_tensor(kind, src.to(device), rows, *sizes).cpu())
+                    e += b - a
                 if tick:
-                    tick(sum(v.numel() * v.element_size() for v in tensors.values()), f"{rank.folder} layer {layer}")
-        for fut in pending:
-            fut.result()
-    finally:
-        wait(pending)  # never close the file under a write still running (after an error elsewhere)
-        w.close()
+                    tick(per * len(chunk), f"{rank.folder} layer {layer}")
+        return w.close()
+    except BaseException:
+        w.abort()
+        raise
 
 
 def prefetch_experts(ckpt: Checkpoint, prefix: str, names: list[str], experts: tuple[int, ...]) -> None:
-    """Start reading the source bytes of these experts of one layer (``names``: the layer's expert
-    tensors under ``prefix``; see :meth:`Checkpoint.prefetch`): their rows of fused tensors, or
-    their own tensors (per-expert checkpoints)."""
+    """Start reading the source bytes of these experts of one layer (``names``: source tensors
+    under ``prefix``; see :meth:`Checkpoint.prefetch`): their rows of fused tensors, or their own
+    tensors (per-expert checkpoints)."""
     lo, hi, wanted = min(experts), max(experts) + 1, {str(e) for e in experts}
     for name in names:
         head = name[len(prefix):].split(".")[0]
@@ -183,52 +233,38 @@ def prefetch_experts(ckpt: Checkpoint, prefix: str, names: list[str], experts: t
             ckpt.prefetch(name)
 
 
-def _write_chunk(w: StreamingWriter, tensors: dict[str, torch.Tensor], first: int) -> None:
-    for name, t in tensors.items():
-        if t.dim() == 0:
-            if first == 0:  # a per-layer scalar: written once
-                w.write(name, t)
-        else:
-            w.write(name, t, first)
-
-
 def write_common_file(ckpt: Checkpoint, f: OutFile, path: Path, chunk_bytes: int = CHUNK_BYTES,
-                      tick: Progress | None = None) -> None:
-    """Copy non-expert tensors unchanged: file to file in the kernel (``copy_file_range``, as
-    ``cp`` does), or in row chunks through memory where the file system cannot."""
-    w = StreamingWriter(path, [(n, ckpt.tensors[n].dtype, ckpt.tensors[n].shape) for n in f.sources])
+                      tick: Progress | None = None) -> Future:
+    """Copy non-expert tensors unchanged, read (``preadv``) straight into the writer's staging
+    buffer while earlier ones are written and hashed; a future of the file's SHA-256."""
+    w = SequentialWriter(path, [(n, ckpt.tensors[n].dtype, ckpt.tensors[n].shape) for n in f.sources],
+                         max_take=chunk_bytes)
+    fds: dict[str, int] = {}
     try:
-        for n in f.sources:
+        for n in w.order:
             info = ckpt.tensors[n]
-            src_fd = os.open(ckpt.root / info.file, os.O_RDONLY)
-            try:
-                dst, left, src = w.data_start + w.offsets[n][0], info.nbytes, info.offset
-                while left:
-                    done = os.copy_file_range(src_fd, w.fd, min(left, chunk_bytes), src, dst)
-                    if done == 0:
-                        raise OSError(errno.EIO, f"{info.file} ended early")
-                    src, dst, left = src + done, dst + done, left - done
-                    if tick:
-                        tick(done, f.path)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                _copy_rows(ckpt, n, w, chunk_bytes)
-            finally:
-                os.close(src_fd)
+            if info.file not in fds:
+                fds[info.file] = os.open(ckpt.root / info.file, os.O_RDONLY)
+            fd, pos, left = fds[info.file], info.offset, info.nbytes
+            while left:
+                k = min(left, chunk_bytes)
+                buf = memoryview(w.take(n, k).numpy())
+                if left > k and hasattr(os, "posix_fadvise"):  # the disk reads the next piece meanwhile
+                    os.posix_fadvise(fd, pos + k, min(left - k, chunk_bytes), os.POSIX_FADV_WILLNEED)
+                while buf:
+                    got = os.preadv(fd, [buf], pos)
+                    if got == 0:
+                        raise OSError(errno.EIO, f"{ckpt.root / info.file} ended early (tensor {n})")
+                    buf, pos, left = buf[got:], pos + got, left - got
+                if tick:
+                    tick(k, f.path)
+        return w.close()
+    except BaseException:
+        w.abort()
+        raise
     finally:
-        w.close()
-
-
-def _copy_rows(ckpt: Checkpoint, name: str, w: StreamingWriter, chunk_bytes: int) -> None:
-    info = ckpt.tensors[name]
-    rows = info.shape[0] if info.shape else 0
-    if not rows:
-        w.write(name, ckpt.read(name))
-        return
-    step = max(1, chunk_bytes // max(1, info.nbytes // rows))
-    for a in range(0, rows, step):
-        w.write(name, ckpt.read(name, a, min(a + step, rows)), a)
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _fingerprint(plan: Plan, ckpt: Checkpoint, args: dict) -> dict:
@@ -257,6 +293,8 @@ def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1
     the shards they need); ``common=False`` leaves out ``common/``.
     """
     group = Group.from_env()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the other cores hash and write; idle OpenMP workers would spin on them
     try:
         select = None
         if ranks is not None:
@@ -274,6 +312,7 @@ def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1
                         resume=resume, device=device, progress=progress if group.leader else None,
                         dry_run=dry_run, chunk_bytes=chunk_bytes, ranks=ranks, common=common)
     finally:
+        torch.set_num_threads(threads)
         group.close()
 
 
@@ -321,7 +360,6 @@ def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep
             group.barrier()  # the folder is locked and prepared
             if not group.leader:
                 stack.enter_context(od)
-            pool = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeshard-write"))
             error, records, reused = None, {}, {}
             try:
                 reused = {f.path: rec for _, f in mine if (rec := od.reusable(f.path))}
@@ -335,7 +373,7 @@ def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep
                         tick(f.nbytes, f"{f.path} (reused)")
                     elif r is not None:
                         od.write(f.path, lambda tmp, r=r, f=f: write_rank_file(
-                            plan, ckpt, adapter, r, f, tmp, pool, device, scales, chunk_bytes, tick))
+                            plan, ckpt, adapter, r, f, tmp, device, scales, chunk_bytes, tick))
                     else:
                         od.write(f.path, lambda tmp, f=f: write_common_file(ckpt, f, tmp, chunk_bytes, tick))
                 records = od.records()
@@ -360,7 +398,7 @@ def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep
                     od.write_text(f"common/{INDEX_NAME}",
                                   json_text(index_doc(names, sum(f.nbytes for f in plan.common))))
                 for name in plan.copied:
-                    od.write(name, lambda tmp, n=name: shutil.copyfile(ckpt.root / n, tmp))
+                    od.copy(name, ckpt.root / name)
                 files.update(od.records())
                 source_info = {"path": str(ckpt.root.resolve()), "repo_id": None, "revision": None, "commit": None,
                                "files": {n: {"bytes": (ckpt.root / n).stat().st_size} for n in ckpt.files}}
@@ -374,4 +412,4 @@ def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep
                          sum(x[3] for x in results))
 
 
-__all__ = ["ConvertResult", "convert", "rank_layer_tensors", "read_rank_experts"]
+__all__ = ["ConvertResult", "convert", "layer_scalars", "read_rank_experts"]

@@ -14,7 +14,7 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def interleave_scales_128x4(sf: torch.Tensor) -> torch.Tensor:
+def interleave_scales_128x4(sf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Swizzle row-major block scales into the 128x4 layout, per expert.
 
     Mirrors ``flashinfer.block_scale_interleave`` (``csrc/nv_internal/.../quantization.cu``).
@@ -25,19 +25,25 @@ def interleave_scales_128x4(sf: torch.Tensor) -> torch.Tensor:
     Parameters
     ----------
     sf : ``[E, M, K]`` uint8 (any 1-byte dtype; bytes are moved, not converted)
+    out : optional contiguous ``[E, Mp, Kp]`` 1-byte tensor to write into (e.g. a file's
+        staging buffer); must not overlap ``sf``
 
     Returns
     -------
-    ``[E, Mp, Kp]`` of the same dtype, Mp = round_up(M, 128), Kp = round_up(K, 4): a new
-    contiguous tensor whose flat bytes per expert are the kernel's buffer. Equals the input's
+    ``[E, Mp, Kp]`` of ``sf``'s dtype, Mp = round_up(M, 128), Kp = round_up(K, 4) (``out`` if
+    given): contiguous, its flat bytes per expert are the kernel's buffer. Equals the input's
     shape when M % 128 == 0 and K % 4 == 0.
     """
     e, m, k = sf.shape
     mp, kp = _round_up(m, 128), _round_up(k, 4)
     x = sf.view(torch.uint8) if sf.dtype != torch.uint8 else sf
-    x = F.pad(x, (0, kp - k, 0, mp - m))
-    x = x.view(e, mp // 128, 4, 32, kp // 4, 4).permute(0, 1, 4, 3, 2, 5).contiguous()
-    return x.view(e, mp, kp).view(sf.dtype)
+    if (mp, kp) != (m, k):
+        x = F.pad(x, (0, kp - k, 0, mp - m))
+    x = x.reshape(e, mp // 128, 4, 32, kp // 4, 4).permute(0, 1, 4, 3, 2, 5)
+    if out is None:
+        return x.contiguous().view(e, mp, kp).view(sf.dtype)
+    out.view(torch.uint8).view(e, mp // 128, kp // 4, 32, 4, 4).copy_(x)
+    return out
 
 
 def deinterleave_scales_128x4(buf: torch.Tensor, m: int, k: int) -> torch.Tensor:

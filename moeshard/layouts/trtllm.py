@@ -107,54 +107,134 @@ def to_trtllm(c: CanonicalExperts, epilogue_tile_m: int = EPILOGUE_TILE_M) -> di
     return out
 
 
-def _padded_rows(i: int, i_pad: int, perm: torch.Tensor) -> torch.Tensor:
-    """For each output row of GEMM1 (permutation ``perm`` of the padded ``[up ; gate]`` rows),
-    the source row of the unpadded ``[up ; gate]`` (2*i rows), or 2*i (a zero row) for padding."""
-    r = torch.arange(2 * i_pad)
-    half, k = r // i_pad, r % i_pad
-    src = torch.where(k < i, half * i + k, 2 * i)
-    return src[perm]
+#: Kernel tensor -> the canonical field it is made of.
+KERNEL_FIELDS = {"gemm1_weights": "w13", "gemm1_weights_scale": "w13_scale", "gemm1_bias": "w13_bias",
+                 "gemm2_weights": "w2", "gemm2_weights_scale": "w2_scale", "gemm2_bias": "w2_bias"}
+
+
+def gemm1_source_rows(rows: torch.Tensor | None, i: int, inter_pad: int,
+                      epilogue_tile_m: int = EPILOGUE_TILE_M) -> torch.Tensor:
+    """For each GEMM1 kernel row: its row in the source, or -1 (a zero row of padding).
+
+    ``rows [2*i]`` int64 gives the source row of each canonical ``[up ; gate]`` row (None: the
+    source is canonical). The kernel rows are those of the canonical rows padded per half to
+    ``inter_pad``, permuted by :func:`gemm1_row_permutation`. Returns ``[2 * inter_pad]`` int64.
+    """
+    p = gemm1_row_permutation(2 * inter_pad, epilogue_tile_m)
+    half, k = p // inter_pad, p % inter_pad
+    c = torch.where(k < i, half * i + k, 0)
+    return torch.where(k < i, c if rows is None else rows[c], -1)
+
+
+def gemm2_source_rows(rows: torch.Tensor | None, h: int, hidden_pad: int,
+                      epilogue_tile_m: int = EPILOGUE_TILE_M) -> torch.Tensor:
+    """Like :func:`gemm1_source_rows` for GEMM2: ``rows [h]`` (or None), rows padded to
+    ``hidden_pad`` and permuted by :func:`gemm2_row_permutation`. Returns ``[hidden_pad]`` int64."""
+    p = gemm2_row_permutation(hidden_pad, epilogue_tile_m)
+    c = torch.where(p < h, p, 0)
+    return torch.where(p < h, c if rows is None else rows[c], -1)
+
+
+def _wide(t: torch.Tensor, *more: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views of tensors whose last dims hold the same bytes, as the widest integer type they all
+    allow (a row copy then moves 8 bytes per element instead of 1)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        try:
+            return tuple(x.view(torch.uint8).view(dtype) if x.dtype.itemsize == 1 else x.view(dtype)
+                         for x in (t, *more))
+        except RuntimeError:
+            continue
+    return (t, *more)
+
+
+def gather_rows(src: torch.Tensor, rows: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per expert, ``out[e, q, :C] = src[e, rows[q], :C]`` (zero where ``rows[q] == -1``) and
+    ``out[e, q, C:cols] = 0``.
+
+    Parameters
+    ----------
+    src : ``[n, R, C]`` (any dtype, any strides with a unit last stride), or ``[n, R]``
+        (one element per row; then ``cols`` must be 1 and ``out`` is ``[n, Rout]``)
+    rows : ``[Rout]`` int64 in ``[-1, R)``
+    cols : ``C`` or more (column padding)
+    out : optional ``[n, Rout, cols]`` of ``src``'s dtype (e.g. a file's staging buffer)
+
+    One row copy per output row: when the zero rows all come last (any sizes where padding
+    stays a multiple of 32 rows), each expert is one ``index_select`` straight into ``out`` (on a
+    GPU, one batched gather).
+    """
+    flat = src.dim() == 2
+    s = src.unsqueeze(-1) if flat else src
+    n, c = s.shape[0], s.shape[2]
+    if out is None:
+        out = torch.empty((n, len(rows)) if flat else (n, len(rows), cols), dtype=src.dtype, device=src.device)
+    o = out.unsqueeze(-1) if flat else out
+    rows = rows.to(src.device)
+    valid = rows >= 0
+    a = int(valid.sum())
+    if cols > c:
+        o[:, :, c:].zero_()
+    if bool(valid[:a].all()):
+        o[:, a:].zero_()
+        if src.device.type != "cpu":  # one batched gather (a temporary is cheap on a GPU)
+            o[:, :a, :c] = s.index_select(1, rows[:a])
+            return out
+        s2, o2 = _wide(s, o[:, :a, :c])
+        for e in range(n):
+            torch.index_select(s2[e], 0, rows[:a], out=o2[e])
+    else:
+        o[:, ~valid] = 0
+        o[:, valid, :c] = s[:, rows[valid]]
+    return out
+
+
+def trtllm_tensor(kind: str, src: torch.Tensor, rows: torch.Tensor | None, hidden_pad: int, inter_pad: int,
+                  sf: int, epilogue_tile_m: int = EPILOGUE_TILE_M, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One kernel tensor of n experts (``kind`` a key of :data:`KERNEL_FIELDS`), padded and permuted.
+
+    Parameters
+    ----------
+    src : the canonical field of the experts (``w13 [n, 2*I, H // 2]`` etc., see
+        :class:`CanonicalExperts`), or a source tensor whose rows ``rows`` are it: ``src[:, rows]``
+        is the canonical field (a checkpoint's own row order, or a TP slice, read in place)
+    rows : ``[2*I]`` (GEMM1) or ``[H]`` (GEMM2) int64, or None
+    hidden_pad, inter_pad : padded H and I; sf : 32 (MXFP4) or 16 (NVFP4)
+    out : optional destination of the result's shape and dtype
+
+    Returns the kernel tensor: ``gemm1_weights [n, 2*inter_pad, hidden_pad // 2]`` uint8,
+    ``gemm1_weights_scale [n, 2*inter_pad, hidden_pad // sf]`` float8_e4m3fn (128x4 interleaved),
+    ``gemm1_bias [n, 2*inter_pad]`` float32, and the GEMM2 ones with ``[n, hidden_pad, ...]``.
+    """
+    gemm1 = kind.startswith("gemm1")
+    rows = None if rows is None else rows.cpu()  # row maps are built on the CPU, moved once by gather_rows
+    r = len(rows) if rows is not None else src.shape[1]
+    if gemm1:
+        i = r // 2
+        if inter_pad < i or inter_pad % sf:
+            raise ValueError(f"cannot pad I={i} to {inter_pad} (block {sf})")
+        src_rows = gemm1_source_rows(rows, i, inter_pad, epilogue_tile_m)
+    else:
+        if hidden_pad < r or hidden_pad % sf:
+            raise ValueError(f"cannot pad H={r} to {hidden_pad} (block {sf})")
+        src_rows = gemm2_source_rows(rows, r, hidden_pad, epilogue_tile_m)
+    k = hidden_pad if gemm1 else inter_pad  # the reduced dimension: H for GEMM1, I for GEMM2
+    if kind.endswith("bias"):
+        return gather_rows(src.float(), src_rows, 1, out)
+    if kind.endswith("weights"):
+        return gather_rows(src, src_rows, k // 2, None if out is None else out.view(torch.uint8))
+    if len(src_rows) % 128 or (k // sf) % 4:
+        raise ValueError(f"{kind} [{len(src_rows)}, {k // sf}] needs rows % 128 == 0 and cols % 4 == 0")
+    linear = gather_rows(src.view(torch.uint8), src_rows, k // sf)
+    return interleave_scales_128x4(linear, None if out is None else out.view(torch.uint8)).view(SCALE_DTYPE)
 
 
 def to_trtllm_padded(c: CanonicalExperts, hidden_pad: int, inter_pad: int,
                      epilogue_tile_m: int = EPILOGUE_TILE_M) -> dict[str, torch.Tensor]:
-    """``to_trtllm(pad_experts(c, hidden_pad, inter_pad))`` with half the memory traffic.
-
-    Padding and permutation are composed into one row map per tensor: the input gets one zero
-    row and its padded columns in one copy, and one gather writes the kernel layout. Same
-    outputs, same preconditions as the two functions it fuses.
-    """
-    e, two_i, _ = c.w13.shape
-    i, h, sf = two_i // 2, c.hidden_size, c.sf_vec_size
-    if hidden_pad < h or inter_pad < i or hidden_pad % sf or inter_pad % sf:
-        raise ValueError(f"cannot pad H={h}, I={i} to {hidden_pad}, {inter_pad} (block {sf})")
-    rows1 = _padded_rows(i, inter_pad, gemm1_row_permutation(2 * inter_pad, epilogue_tile_m))
-    p2 = gemm2_row_permutation(hidden_pad, epilogue_tile_m)
-    rows2 = torch.where(p2 < h, p2, h)
-
-    def g1(t: torch.Tensor, cols: int) -> torch.Tensor:
-        pad = [0, cols - t.shape[2], 0, 1] if t.dim() == 3 else [0, 1]
-        return _gather_rows(torch.nn.functional.pad(t, pad), rows1)
-
-    def g2(t: torch.Tensor, cols: int | None) -> torch.Tensor:
-        pad = [0, cols - t.shape[2], 0, 1] if t.dim() == 3 else [0, 1]
-        return _gather_rows(torch.nn.functional.pad(t, pad), rows2)
-
-    s1, s2 = g1(c.w13_scale, hidden_pad // sf), g2(c.w2_scale, inter_pad // sf)
-    for name, t in (("w13_scale", s1), ("w2_scale", s2)):
-        if t.shape[1] % 128 or t.shape[2] % 4:
-            raise ValueError(f"{name} [{t.shape[1]}, {t.shape[2]}] needs rows % 128 == 0 and cols % 4 == 0")
-    out = {
-        "gemm1_weights": g1(c.w13, hidden_pad // 2),
-        "gemm1_weights_scale": interleave_scales_128x4(s1).view(SCALE_DTYPE),
-        "gemm2_weights": g2(c.w2, inter_pad // 2),
-        "gemm2_weights_scale": interleave_scales_128x4(s2).view(SCALE_DTYPE),
-    }
-    if c.w13_bias is not None:
-        out["gemm1_bias"] = g1(c.w13_bias.float(), 0)
-    if c.w2_bias is not None:
-        out["gemm2_bias"] = g2(c.w2_bias.float(), None)
-    return out
+    """``to_trtllm(pad_experts(c, hidden_pad, inter_pad))`` with padding and permutation composed
+    into one row map per tensor (:func:`trtllm_tensor`): one copy per byte. Same outputs, same
+    preconditions as the two functions it fuses."""
+    return {kind: trtllm_tensor(kind, getattr(c, field), None, hidden_pad, inter_pad, c.sf_vec_size, epilogue_tile_m)
+            for kind, field in KERNEL_FIELDS.items() if getattr(c, field) is not None}
 
 
 def from_trtllm(t: dict[str, torch.Tensor], epilogue_tile_m: int = EPILOGUE_TILE_M) -> CanonicalExperts:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from moeshard.convert.families import QuantFormat, detect
+from moeshard.convert.families import QuantFormat, detect, read_experts
 from moeshard.convert.manifest import read_manifest
 from moeshard.convert.pipeline import read_rank_experts
 from moeshard.convert.source import Checkpoint
@@ -246,7 +246,7 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                 sum_got += got
             if sorted(ranks) == all_ranks and len(all_ranks) == m["rank_count"] > 1:
                 tick(f"all experts layer {layer}")
-                full = _to(adapter.read_experts(ckpt, spec, layer, 0, spec.num_experts), device)
+                full = _to(read_experts(adapter, ckpt, spec, layer, 0, spec.num_experts), device)
                 want = moe_forward(x_ref, expert_fn(full, fmt, device), range(spec.num_experts), ids, weights,
                                    spec.activation, on_input)
                 max_abs, rel = _rel(sum_got, want)
