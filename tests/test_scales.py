@@ -81,3 +81,13 @@ def test_gather_rows_against_plain_indexing(rows):
     want = torch.zeros(3, len(rows))
     want[:, valid] = bias[:, rows[valid]]
     assert torch.equal(gather_rows(bias, rows, 1), want)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_interleave_into_a_buffer_at_any_offset(offset):
+    """Into a staging buffer: 4-byte aligned (copied as int32 words) or not (byte copy)."""
+    sf = torch.randint(0, 256, (3, 256, 12), dtype=torch.uint8)
+    buf = torch.zeros(sf.numel() + offset, dtype=torch.uint8)
+    out = buf[offset:].view(3, 256, 12)
+    assert interleave_scales_128x4(sf, out) is out
+    assert all(torch.equal(out[e].flatten(), interleave_formula(sf[e])) for e in range(3))

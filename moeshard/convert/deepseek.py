@@ -129,9 +129,7 @@ class DeepSeekAdapter:
                 name = f"{p}.{x}.{leaf}"
                 t = ckpt.read(name).view(torch.uint8)
                 parts.append(ckpt.check_scales(name, t, True) if field.endswith("_scale") else t)
-        k = len(self.sources[field])
-        rows = [torch.cat(parts[j:j + k]) if k > 1 else parts[j] for j in range(0, len(parts), k)]
-        return torch.stack(rows), None
+        return torch.cat(parts).view(stop - start, -1, parts[0].shape[1]), None  # one copy
 
     def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
                      ) -> dict[str, torch.Tensor]:

@@ -163,6 +163,9 @@ def build_manifest(plan: Plan, files: dict[str, dict], source: dict, ranks: list
 
 #: Output bytes transformed per step: bounds memory whatever the layer or model size.
 CHUNK_BYTES = 64 << 20
+#: How far ahead of the transform the source is read (page cache, which the kernel can reclaim):
+#: per-expert checkpoints scatter a chunk's tensors over the file.
+PREFETCH_BYTES = 512 << 20
 
 
 def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter, rank: RankPlan, f: OutFile, path: Path,
@@ -199,10 +202,12 @@ def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter, rank: RankPlan, f: Ou
             chunks = [rank.experts[k:k + step] for k in range(0, n, step)]
             leaves = tuple("." + leaf for leaf in adapter.sources.get(field, ()))
             sources = [x for x in spec.expert_tensors if x.startswith(prefix + ".") and x.endswith(leaves)]
-            prefetch_experts(ckpt, prefix + ".", sources, chunks[0])
+            ahead = max(1, PREFETCH_BYTES // (per * len(chunks[0])))
+            for c in chunks[:ahead]:
+                prefetch_experts(ckpt, prefix + ".", sources, c)
             for j, chunk in enumerate(chunks):
-                if j + 1 < len(chunks):  # the disk reads the next chunk while this one is transformed
-                    prefetch_experts(ckpt, prefix + ".", sources, chunks[j + 1])
+                if j + ahead < len(chunks):  # the disk reads chunks ahead while this one is transformed
+                    prefetch_experts(ckpt, prefix + ".", sources, chunks[j + ahead])
                 dst = w.take(name, per * len(chunk)).view(DTYPES[t.dtype]).view(len(chunk), *t.shape[1:])
                 e = 0
                 for a, b in expert_runs(chunk):
