@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moeshard.convert.io import DTYPES
+from moeshard.convert.io import DTYPES, pread_into
 from moeshard.convert.manifest import read_manifest
 from moeshard.errors import MoeshardError
 from moeshard.kernel import flashinfer_version, static_kernel_args
@@ -101,7 +101,7 @@ def read_file_to(path: Path, device: str | torch.device, chunk: int = CHUNK, wor
         device = torch.device(device)
         if device.type != "cuda":
             buf = torch.empty(size, dtype=torch.uint8)
-            _pread_into(fd, memoryview(buf.numpy()), start)
+            pread_into(fd, memoryview(buf.numpy()), start, str(path))
             return header, buf
         out = torch.empty(size, dtype=torch.uint8, device=device)
         workers = workers or READERS
@@ -115,7 +115,7 @@ def read_file_to(path: Path, device: str | torch.device, chunk: int = CHUNK, wor
             for off in offsets[w::workers]:
                 m = min(chunk, size - off)
                 done.synchronize()  # this buffer's previous copy has finished
-                _pread_into(fd, view[:m], start + off)
+                pread_into(fd, view[:m], start + off, str(path))
                 with torch.cuda.stream(stream):
                     out[off:off + m].copy_(bufs[w][:m], non_blocking=True)
                     done.record(stream)
@@ -126,15 +126,6 @@ def read_file_to(path: Path, device: str | torch.device, chunk: int = CHUNK, wor
         return header, out
     finally:
         os.close(fd)
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            raise MoeshardError(f"file descriptor {fd}: ended {len(view) - got} bytes early")
-        got += n
 
 
 def _views(header: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -92,6 +92,17 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise MoeshardError(f"{path}: unreadable safetensors file: {e}") from None
 
 
+def pread_into(fd: int, view: memoryview, offset: int, what: str) -> None:
+    """Fill ``view`` with the bytes of ``fd`` from ``offset`` on (``preadv``, short reads continued);
+    a MoeshardError naming ``what`` if the file ends first."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise MoeshardError(f"{what}: ended {len(view) - got} bytes early")
+        got += n
+
+
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from moeshard import __version__
 from moeshard.convert.distributed import Group
 from moeshard.convert.families import QuantFormat, detect, detect_config, read_experts
 from moeshard.convert.hub import HubSource, needed_files, needed_tensors, resolve
-from moeshard.convert.io import DTYPES, INDEX_NAME, index_doc, json_text
+from moeshard.convert.io import DTYPES, INDEX_NAME, index_doc, json_text, pread_into
 from moeshard.convert.manifest import SCHEMA_VERSION, is_artifact
 from moeshard.convert.output import OutputDir, check_free_space
 from moeshard.convert.plan import PLACEMENT_ENGINES, OutFile, Plan, RankPlan, make_plan, rank_experts
@@ -93,22 +92,31 @@ def _rank_field(adapter, ckpt: Checkpoint, spec, layer: int, field: str, start: 
     return src, rows
 
 
-def layer_scalars(plan: Plan, ckpt: Checkpoint, adapter, layer: int, rank: RankPlan,
-                  input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The kernel scalars of one rank's experts of one layer: GPT-OSS's SwiGLU constants, or
-    NVFP4's output scales from ``weight_scale_2`` and the layer's ``(a13, a2)`` (``input_scales``,
-    read from the source when None). Float32 ``[E]`` each (``hidden_states_scale_global`` ``[]``)."""
-    spec = plan.spec
+def kernel_scalars(spec, n: int, w13_scale_2: torch.Tensor | None = None, w2_scale_2: torch.Tensor | None = None,
+                   input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The kernel scalars of ``n`` experts: GPT-OSS's SwiGLU constants, or NVFP4's output scales
+    from their ``weight_scale_2`` (``[n]``) and the layer's ``(a13, a2)``. Float32 ``[n]`` each
+    (``hidden_states_scale_global`` ``[]``)."""
     out: dict[str, torch.Tensor] = {}
     if spec.activation["type"] == "swiglu_oai":
         a = spec.activation
-        out.update(swiglu_oai_scalars(len(rank.experts), a["limit"], a["alpha"], a["beta"]))
+        out.update(swiglu_oai_scalars(n, a["limit"], a["alpha"], a["beta"]))
     if spec.quant_format is QuantFormat.NVFP4:
-        parts = [adapter.read_scalars(ckpt, spec, layer, a, b) for a, b in expert_runs(rank.experts)]
-        a13, a2 = input_scales if input_scales is not None else adapter.input_scales(ckpt, spec, layer)
-        out.update(nvfp4_scalars(torch.cat([p["w13_scale_2"] for p in parts]),
-                                 torch.cat([p["w2_scale_2"] for p in parts]), a13, a2))
+        out.update(nvfp4_scalars(w13_scale_2, w2_scale_2, *input_scales))
     return out
+
+
+def layer_scalars(plan: Plan, ckpt: Checkpoint, adapter, layer: int, rank: RankPlan,
+                  input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """:func:`kernel_scalars` of one rank's experts of one layer, read from the source
+    (``input_scales`` too when None)."""
+    spec = plan.spec
+    if spec.quant_format is not QuantFormat.NVFP4:
+        return kernel_scalars(spec, len(rank.experts))
+    parts = [adapter.read_scalars(ckpt, spec, layer, a, b) for a, b in expert_runs(rank.experts)]
+    return kernel_scalars(spec, len(rank.experts), torch.cat([p["w13_scale_2"] for p in parts]),
+                          torch.cat([p["w2_scale_2"] for p in parts]),
+                          input_scales if input_scales is not None else adapter.input_scales(ckpt, spec, layer))
 
 
 def _kernel_args(plan: Plan, layer: int) -> dict:
@@ -253,14 +261,10 @@ def write_common_file(ckpt: Checkpoint, f: OutFile, path: Path, chunk_bytes: int
             fd, pos, left = fds[info.file], info.offset, info.nbytes
             while left:
                 k = min(left, chunk_bytes)
-                buf = memoryview(w.take(n, k).numpy())
                 if left > k and hasattr(os, "posix_fadvise"):  # the disk reads the next piece meanwhile
                     os.posix_fadvise(fd, pos + k, min(left - k, chunk_bytes), os.POSIX_FADV_WILLNEED)
-                while buf:
-                    got = os.preadv(fd, [buf], pos)
-                    if got == 0:
-                        raise OSError(errno.EIO, f"{ckpt.root / info.file} ended early (tensor {n})")
-                    buf, pos, left = buf[got:], pos + got, left - got
+                pread_into(fd, memoryview(w.take(n, k).numpy()), pos, f"{ckpt.root / info.file} (tensor {n})")
+                pos, left = pos + k, left - k
                 if tick:
                     tick(k, f.path)
         return w.close()
@@ -417,4 +421,4 @@ def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep
                          sum(x[3] for x in results))
 
 
-__all__ = ["ConvertResult", "convert", "layer_scalars", "read_rank_experts"]
+__all__ = ["ConvertResult", "convert", "kernel_scalars", "layer_scalars", "read_rank_experts"]

@@ -87,24 +87,7 @@ def to_trtllm(c: CanonicalExperts, epilogue_tile_m: int = EPILOGUE_TILE_M) -> di
     float8_e4m3fn and, when c has biases, ``gemm1_bias [E, 2*I]`` / ``gemm2_bias [E, H]``
     float32. All new tensors on c's device.
     """
-    e, two_i, _ = c.w13.shape
-    h = c.hidden_size
-    for name, (rows, cols) in {"w13_scale": c.w13_scale.shape[1:], "w2_scale": c.w2_scale.shape[1:]}.items():
-        if rows % 128 or cols % 4:
-            raise ValueError(f"{name} [{rows}, {cols}] needs rows % 128 == 0 and cols % 4 == 0; pad first")
-    p1 = gemm1_row_permutation(two_i, epilogue_tile_m)
-    p2 = gemm2_row_permutation(h, epilogue_tile_m)
-    out = {
-        "gemm1_weights": _gather_rows(c.w13, p1),
-        "gemm1_weights_scale": interleave_scales_128x4(_gather_rows(c.w13_scale, p1)).view(SCALE_DTYPE),
-        "gemm2_weights": _gather_rows(c.w2, p2),
-        "gemm2_weights_scale": interleave_scales_128x4(_gather_rows(c.w2_scale, p2)).view(SCALE_DTYPE),
-    }
-    if c.w13_bias is not None:
-        out["gemm1_bias"] = _gather_rows(c.w13_bias.float(), p1)
-    if c.w2_bias is not None:
-        out["gemm2_bias"] = _gather_rows(c.w2_bias.float(), p2)
-    return out
+    return to_trtllm_padded(c, c.hidden_size, c.intermediate_size, epilogue_tile_m)
 
 
 #: Kernel tensor -> the canonical field it is made of.

@@ -10,11 +10,11 @@ import torch
 
 from moeshard.convert.families import QuantFormat, detect, read_experts
 from moeshard.convert.manifest import read_manifest
-from moeshard.convert.pipeline import read_rank_experts
+from moeshard.convert.pipeline import kernel_scalars, read_rank_experts
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
-from moeshard.layouts.canonical import CanonicalExperts, pad_experts
-from moeshard.layouts.trtllm import from_trtllm, nvfp4_scalars, swiglu_oai_scalars, to_trtllm
+from moeshard.layouts.canonical import CanonicalExperts
+from moeshard.layouts.trtllm import from_trtllm, to_trtllm_padded
 from moeshard.quant import dequantize_mxfp4, dequantize_nvfp4
 from moeshard.validate.backends import run_trtllm, select_backend, trtllm_args
 from moeshard.validate.moe import moe_forward, route
@@ -230,13 +230,9 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                 ok = rel <= tol and not leaks
                 detail = ""
                 if not ok:
-                    c = pad_experts(ref, h_pad, i_pad)
-                    want_t = to_trtllm(c)
-                    if fmt is QuantFormat.NVFP4:
-                        want_t.update(nvfp4_scalars(c.w13_scale_2, c.w2_scale_2, scales[0].to(device), scales[1].to(device)))
-                    if spec.activation["type"] == "swiglu_oai":
-                        a = spec.activation
-                        want_t.update({k: v.to(device) for k, v in swiglu_oai_scalars(n, a["limit"], a["alpha"], a["beta"]).items()})
+                    want_t = to_trtllm_padded(ref, h_pad, i_pad)
+                    want_t.update({k: v.to(device) for k, v in
+                                   kernel_scalars(spec, n, ref.w13_scale_2, ref.w2_scale_2, scales).items()})
                     bad = _diagnose(kt, want_t, experts)
                     what = (f"padding not zero in {', '.join(leaks)}" if leaks else
                             f"relative error {worst[1]:.3g} > {tol:g}" +
