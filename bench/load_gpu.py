@@ -18,16 +18,15 @@ import time
 from pathlib import Path
 
 import torch
+from _common import cuda_block_scale_interleave, report
+from _reference import vllm_gpt_oss_trtllm
+from transform_gpu import LEAVES
 
-from _common import cuda_block_scale_interleave, report  # noqa: E402
-from _reference import vllm_gpt_oss_trtllm  # noqa: E402
-from transform_gpu import LEAVES  # noqa: E402
-
-import moeshard  # noqa: E402
-from moeshard.convert.manifest import read_manifest  # noqa: E402
-from moeshard.convert.pipeline import convert  # noqa: E402
-from moeshard.convert.source import Checkpoint  # noqa: E402
-from moeshard.fixtures import fixture  # noqa: E402
+import moeshard
+from moeshard.convert.manifest import read_manifest
+from moeshard.convert.pipeline import convert
+from moeshard.convert.source import Checkpoint
+from moeshard.fixtures import fixture
 
 RANK, EP = 3, 8
 

@@ -1,7 +1,9 @@
 """The ``moeshard`` command: a thin typer app over the library.
 
-Results (paths, reports, ``--json``) go to stdout; progress, logs and hints to stderr.
-Heavy imports (torch, flashinfer) happen inside the commands, so ``--help`` is instant.
+Each command parses its options, calls one library function and prints. Results (paths,
+reports, ``--json``) go to stdout; progress, logs and hints to stderr. Heavy imports (torch,
+flashinfer) happen inside the commands, so ``--help`` is instant, and ``verify``, ``push`` and
+``inspect`` of an artifact never import torch.
 """
 
 from __future__ import annotations
@@ -10,20 +12,25 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from moeshard import __version__
 from moeshard.errors import MoeshardError
+
+DEBUG_ENV = "MOESHARD_DEBUG"
 
 app = typer.Typer(
     name="moeshard",
-    help="Convert quantized MoE checkpoints (GPT-OSS MXFP4, DeepSeek-R1-FP4 and Llama-4-Scout-FP4 NVFP4) "
-    "into FlashInfer trtllm-gen expert-parallel rank shards, and prove every shard right.",
+    help="Convert FP4 MoE checkpoints (GPT-OSS MXFP4; DeepSeek-R1-FP4 and Llama-4-Scout-FP4 in ModelOpt NVFP4) "
+         "into FlashInfer trtllm-gen rank shards, and prove every shard right.\n\n"
+         f"Errors are one line on stderr (exit 1); set {DEBUG_ENV}=1 to see the traceback.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # plain help: no <bool> metavars, nothing cut at 80 columns
 )
 out_console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)  # one line per message, never wrapped
@@ -31,6 +38,14 @@ err_console = Console(stderr=True, soft_wrap=True)  # one line per message, neve
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout, nothing else.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 DeviceOpt = Annotated[str, typer.Option(help="Where tensor work runs: cpu or cuda.")]
+RevisionOpt = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")]
+TokenOpt = Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN or the saved login).")]
+RanksOpt = Annotated[str | None, typer.Option(help="Ranks, e.g. 3 or 0-3,5 (default: all).")]
+
+
+def examples(*lines: str) -> str:
+    """A command's epilog: its example lines, kept as they are (``\\b``: no re-wrapping)."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def parse_size(text: str) -> int:
@@ -61,16 +76,28 @@ def parse_ints(text: str | None) -> list[int] | None:
 
 
 def _progress(enabled: bool, total: int | None = None, description: str = "", in_bytes: bool = False):
-    """A rich progress bar on stderr (only on a terminal and when enabled), as (context, tick)."""
+    """A rich progress bar on stderr (only on a terminal and when enabled), as (context, tick).
+
+    ``tick(n, what)`` advances it; ``tick.total(n)`` sets the total once the library has planned.
+    """
     from contextlib import nullcontext
 
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
 
     if not enabled or not err_console.is_terminal:
-        return nullcontext(), (lambda *a: None)
+        tick = lambda *a: None  # noqa: E731
+        tick.total = lambda n: None
+        return nullcontext(), tick
     columns = [TextColumn("{task.description}"), BarColumn()]
-    if total is not None or in_bytes:
-        columns += [DownloadColumn(), TransferSpeedColumn()]
+    columns += [DownloadColumn(), TransferSpeedColumn()] if in_bytes else [MofNCompleteColumn()]
     columns += [TimeElapsedColumn()]
     prog = Progress(*columns, console=err_console, transient=True)
     task = prog.add_task(description, total=total)
@@ -78,11 +105,11 @@ def _progress(enabled: bool, total: int | None = None, description: str = "", in
     def tick(n: int = 0, what: str = "") -> None:
         prog.update(task, advance=n, description=f"{description} {what}".strip())
 
-    tick.total = lambda n: prog.update(task, total=n)  # known once the library has planned
+    tick.total = lambda n: prog.update(task, total=n)
     return prog, tick
 
 
-def _fmt_bytes(n: int) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -90,20 +117,36 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-@app.command(epilog="Examples:\n\n  moeshard fixture gpt-oss --preset tiny -o tiny-gpt-oss\n\n"
-             "  moeshard fixture gpt-oss --preset gpt-oss-120b --layers 2 -o bench-120b\n\n"
-             "  moeshard fixture deepseek-r1-fp4 --preset deepseek-r1 --layers 4 -o bench-r1\n\n"
-             "  moeshard fixture llama4-scout-fp4 -o tiny-scout")
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _version(value: bool) -> None:
+    if value:
+        out_console.print(f"moeshard {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    pass
+
+
+@app.command(epilog=examples("moeshard fixture gpt-oss --preset tiny -o tiny-gpt-oss",
+                             "moeshard fixture gpt-oss --preset gpt-oss-120b --layers 2 -o bench-120b",
+                             "moeshard fixture deepseek-r1-fp4 --preset deepseek-r1 --layers 4 -o bench-r1",
+                             "moeshard fixture llama4-scout-fp4 -o tiny-scout"))
 def fixture(
     family: Annotated[str, typer.Argument(help="gpt-oss, deepseek-r1-fp4 or llama4-scout-fp4.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (must be new or empty).")],
     preset: Annotated[str, typer.Option(help="tiny (tests) or real layer sizes: gpt-oss-20b, gpt-oss-120b, "
                                              "deepseek-r1, llama4-scout.")] = "tiny",
-    layers: Annotated[Optional[int], typer.Option(help="Number of layers (default: the preset's; DeepSeek keeps "
+    layers: Annotated[int | None, typer.Option(help="Number of layers (default: the preset's; DeepSeek keeps "
                                                        "at most layers-1 dense layers).")] = None,
     seed: Annotated[int, typer.Option(help="Random seed of the generated weights.")] = 0,
 ) -> None:
-    """Write a synthetic checkpoint in the exact on-disk format of the real model."""
+    """Write a synthetic checkpoint in the exact on-disk format of a real model."""
     from moeshard.fixtures import fixture as make
 
     with err_console.status(f"writing {family} {preset} fixture"):
@@ -111,132 +154,162 @@ def fixture(
     out_console.print(str(path))
 
 
-@app.command(epilog="Examples:\n\n  moeshard convert openai/gpt-oss-120b --ep-size 8 -o out/\n\n"
-             "  moeshard convert ./gpt-oss-20b --ep-size 4 -o out/ --dry-run\n\n"
-             "  moeshard convert nvidia/DeepSeek-R1-FP4 --ep-size 8 --ranks 3 --no-common -o out/")
+@app.command(epilog=examples("moeshard convert openai/gpt-oss-120b --ep-size 8 -o out/",
+                             "moeshard convert ./gpt-oss-20b --ep-size 4 -o out/ --dry-run",
+                             "moeshard convert nvidia/DeepSeek-R1-FP4 --ep-size 8 --ranks 3 --no-common -o out/"))
 def convert(
     source: Annotated[str, typer.Argument(help="Checkpoint folder or Hugging Face repo id (org/name).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Artifact folder to write.")],
-    ep_size: Annotated[int, typer.Option(help="Expert-parallel ranks; must divide the expert count.")] = 1,
-    tp_size: Annotated[int, typer.Option(help="Tensor-parallel ranks per EP rank: each gets a slice of every "
-                                              "expert's intermediate dimension. Ranks = ep x tp.")] = 1,
+    ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel ranks; must divide the expert count.")] = 1,
+    tp_size: Annotated[int, typer.Option(min=1, help="Tensor-parallel ranks per EP rank: each gets a slice of every "
+                                                     "expert's intermediate dimension. Ranks = ep x tp.")] = 1,
     placement: Annotated[str, typer.Option(help="Experts per EP rank: contiguous (vLLM's default, what the "
                                                 "trtllm-gen kernel takes) or round-robin (expert e on rank "
                                                 "e mod ep).")] = "contiguous",
-    pad_multiple: Annotated[Optional[int], typer.Option(help="Pad hidden and per-rank intermediate sizes to a "
-                                                             "multiple of this (default: 256 for GPT-OSS, 128 "
-                                                             "for NVFP4).")] = None,
+    pad_multiple: Annotated[int | None, typer.Option(min=1, help="Pad hidden and per-rank intermediate sizes to "
+                                                                    "a multiple of this (default: 256 for GPT-OSS, "
+                                                                    "128 for NVFP4).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest output safetensors file, e.g. 5GB.")] = "5GB",
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing artifact or non-empty folder.")] = False,
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted conversion into OUTPUT, reusing the files "
-                                              "it finished (checked by sha256).")] = False,
-    ranks: Annotated[Optional[str], typer.Option(help="Convert only these ranks, e.g. 3 or 0-3 (a repo id then "
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a previous moeshard output in OUTPUT "
+                                                                "(a folder holding anything else is refused).")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted conversion into OUTPUT, reusing "
+                                                          "the files it finished (checked by sha256).")] = False,
+    ranks: Annotated[str | None, typer.Option(help="Convert only these ranks, e.g. 3 or 0-3 (a repo id then "
                                                       "downloads only the shards they need).")] = None,
     common: Annotated[bool, typer.Option("--common/--no-common", help="Also write common/ (every non-expert "
                                                                        "tensor).")] = True,
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="Hub cache folder (default: HF_HUB_CACHE).")] = None,
-    token: Annotated[Optional[str], typer.Option(help="Hub token (default: HF_TOKEN or the saved login).")] = None,
-    dry_run: Annotated[bool, typer.Option(help="Validate headers and print the plan; write nothing.")] = False,
+    revision: RevisionOpt = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Hub cache folder (default: HF_HUB_CACHE).")] = None,
+    token: TokenOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate headers and print the plan; write "
+                                                            "nothing.")] = False,
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Convert a checkpoint into trtllm-gen layout, one folder per expert-parallel rank."""
+    """Convert a checkpoint into trtllm-gen layout, one folder per rank."""
     from moeshard.convert.pipeline import convert as run
 
+    kw = dict(ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
+              max_shard_bytes=parse_size(max_shard_size), ranks=parse_ints(ranks), common=common, revision=revision,
+              cache_dir=cache_dir, token=token)
     if dry_run:
-        plan = run(source, output, ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
-                   max_shard_bytes=parse_size(max_shard_size), dry_run=True, ranks=parse_ints(ranks), common=common,
-                   revision=revision, cache_dir=cache_dir, token=token)
-        doc = {"ranks": [{"rank": r.rank, "ep_rank": r.ep_rank, "tp_rank": r.tp_rank, "experts": list(r.experts),
-                          "intermediate_slice": [r.i_start, r.i_stop],
-                          "files": [{"path": f.path, "layers": list(f.layers), "bytes": f.nbytes} for f in r.files]}
-                         for r in plan.ranks],
-               "common_files": [{"path": f.path, "tensors": len(f.sources), "bytes": f.nbytes} for f in plan.common],
-               "hidden_size_padded": plan.hidden_size_padded,
-               "intermediate_size_padded": plan.intermediate_size_padded, "bytes": plan.total_bytes}
+        plan = run(source, output, dry_run=True, **kw)
+        doc = plan.to_json()
         out_console.print_json(json.dumps(doc)) if as_json else out_console.print(
-            f"plan: {len(plan.ranks)} ranks, {sum(len(r.files) for r in plan.ranks)} rank files, "
-            f"{len(plan.common)} common files, {_fmt_bytes(plan.total_bytes)} to write (dry run: nothing written)")
+            f"plan: {plural(len(plan.ranks), 'rank')}, {plural(sum(len(r.files) for r in plan.ranks), 'rank file')}, "
+            f"{plural(len(plan.common), 'common file')}, {fmt_bytes(plan.total_bytes)} to write (dry run: nothing "
+            "written)")
         return
     ctx, tick = _progress(not (as_json or quiet), description="converting", in_bytes=True)
     with ctx:
-        res = run(source, output, ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
-                  max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite, resume=resume, device=device,
-                  progress=tick, ranks=parse_ints(ranks), common=common, revision=revision, cache_dir=cache_dir,
-                  token=token)
+        res = run(source, output, overwrite=overwrite, resume=resume, device=device, progress=tick, **kw)
     if res.manifest is None:  # a torchrun process other than 0: process 0 reports
         return
     m = res.manifest
+    rate = res.bytes_written / res.seconds if res.seconds > 0 else 0.0
     summary = {"output": str(res.out), "family": m["family"], "ranks": len(m["ranks"]), "ep_size": m["ep_size"],
-               "tp_size": m["tp_size"], "placement": m["placement"],
-               "moe_layers": len(m["moe_layers"]), "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
-               "files_reused": res.files_reused,
-               "seconds": round(res.seconds, 3), "throughput_gb_s": round(res.bytes_written / res.seconds / 1e9, 3)}
+               "tp_size": m["tp_size"], "placement": m["placement"], "moe_layers": len(m["moe_layers"]),
+               "bytes_read": res.bytes_read, "bytes_written": res.bytes_written, "bytes_reused": res.bytes_reused,
+               "files_reused": res.files_reused, "replaced": res.replaced, "seconds": round(res.seconds, 3),
+               "throughput_gb_s": round(rate / 1e9, 3)}
     if as_json:
         out_console.print_json(json.dumps(summary))
         return
-    err_console.print(f"converted {m['family']} ({len(m['moe_layers'])} MoE layers, {m['num_experts']} experts) into "
-                      f"{len(m['ranks'])} ranks: wrote {_fmt_bytes(res.bytes_written)} in {res.seconds:.2f} s "
-                      f"({res.bytes_written / res.seconds / 1e9:.2f} GB/s)"
-                      + (f"; reused {res.files_reused} finished files" if res.files_reused else ""))
-    out_console.print(str(res.out))
+    if res.replaced:
+        err_console.print(f"replaced the previous moeshard output in {res.out}: {', '.join(res.replaced)}",
+                          markup=False)
+    err_console.print(f"converted {m['family']} ({plural(len(m['moe_layers']), 'MoE layer')}, "
+                      f"{plural(m['num_experts'], 'expert')}) into {plural(len(m['ranks']), 'rank')}: wrote "
+                      f"{fmt_bytes(res.bytes_written)} in {res.seconds:.2f} s ({fmt_bytes(rate)}/s)"
+                      + (f"; reused {plural(res.files_reused, 'finished file')} ({fmt_bytes(res.bytes_reused)})"
+                         if res.files_reused else ""), markup=False)
+    out_console.print(str(res.out), markup=False)
 
 
-@app.command(epilog="Examples:\n\n  moeshard inspect ./gpt-oss-120b\n\n  moeshard inspect out/ --json")
+def _kv(d: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items() if v is not None)
+
+
+def _experts_text(experts: list[int]) -> str:
+    """[0, 1, 2, 3] -> '0-3'; a round-robin list -> '0,4,..,28 (8)'."""
+    if experts == list(range(experts[0], experts[0] + len(experts))):
+        return f"{experts[0]}-{experts[-1]}" if len(experts) > 1 else str(experts[0])
+    return ",".join(map(str, experts)) if len(experts) <= 3 else f"{experts[0]},{experts[1]},..,{experts[-1]}"
+
+
+def _print_inspect(info: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    t = Table(box=box.SIMPLE, show_header=False, title=f"{info['kind']}: {info['path']}", title_justify="left")
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")
+    if info["kind"] == "artifact":
+        pad, lay = info["padding"], info["layout"]
+        rows = [("family", f"{info['family']} ({info['quant_format']})"), ("source", info["source"]),
+                ("layout", f"{lay['name']} v{lay['version']}, epilogue_tile_m {lay['epilogue_tile_m']}, "
+                           f"{lay['scale_layout']} scales"),
+                ("experts", f"{info['num_experts']} in {plural(info['moe_layers'], 'MoE layer')}"),
+                ("sharding", f"ep {info['ep_size']} x tp {info['tp_size']}, {info['placement']}; "
+                             f"{len(info['ranks'])} of {info['rank_count']} ranks here"),
+                ("hidden size", f"{pad['hidden_size']}, padded to {pad['hidden_size_padded']}"),
+                ("intermediate", f"{pad['intermediate_size']}; per rank padded to {pad['intermediate_size_padded']}"),
+                ("kernel args", _kv(info["kernel_args"])),
+                ("common/", fmt_bytes(info["common_bytes"]) if info["common_bytes"] is not None else "not included")]
+    else:
+        rows = [("family", f"{info['family']} ({info['quant_format']})"),
+                ("experts", f"{info['num_experts']} in {plural(info['moe_layers'], 'MoE layer')}"),
+                ("hidden size", str(info["hidden_size"])), ("intermediate", str(info["intermediate_size"])),
+                ("routing", _kv(info["routing"])), ("activation", _kv(info["activation"])),
+                ("files", f"{info['files']} ({fmt_bytes(info['bytes'])}, experts {fmt_bytes(info['expert_bytes'])})")]
+    for k, v in rows:
+        t.add_row(k, v)
+    out_console.print(t)
+    if info["kind"] == "artifact":
+        rt = Table(box=box.SIMPLE, title="ranks (I slice and size per rank)", title_justify="left")
+        for col in ("rank", "ep", "tp", "experts", "offset", "I slice", "files", "size"):
+            rt.add_column(col, justify="right", no_wrap=True)
+        for r in info["ranks"]:
+            a, b = r["intermediate_slice"]
+            rt.add_row(str(r["rank"]), str(r["ep_rank"]), str(r["tp_rank"]), _experts_text(r["experts"]),
+                       "-" if r["local_expert_offset"] is None else str(r["local_expert_offset"]), f"{a}-{b}",
+                       str(r["files"]), fmt_bytes(r["bytes"]))
+        out_console.print(rt)
+    else:
+        ex = info["expert_tensors_of_layer"]
+        et = Table(box=box.SIMPLE, title=f"expert tensors of layer {ex['layer']} ({ex['prefix']}.*)",
+                   title_justify="left")
+        for col in ("tensor", "dtype", "shape"):
+            et.add_column(col, overflow="fold")
+        for n, x in ex["tensors"].items():
+            et.add_row(n[len(ex["prefix"]) + 1:], x["dtype"], str(x["shape"]))
+        out_console.print(et)
+
+
+@app.command(epilog=examples("moeshard inspect ./gpt-oss-120b", "moeshard inspect out/ --json"))
 def inspect(
     path: Annotated[str, typer.Argument(help="A checkpoint folder, a Hub repo id, or a moeshard artifact.")],
     as_json: JsonOpt = False,
 ) -> None:
-    """Show family, quant format, layers, experts, shapes, per-rank sizes and kernel arguments."""
-    from rich.markup import escape
-    from rich.table import Table
-
+    """Show family, format, layers, experts, shapes, per-rank sizes and kernel arguments."""
     from moeshard.inspect import inspect_path
 
     info = inspect_path(path)
-    if as_json:
-        out_console.print_json(json.dumps(info))
-        return
-    table = Table(title=escape(f"{info['kind']}: {info['path']}"), show_header=False)
-    for k, v in info.items():
-        if k in ("ranks", "kind", "path", "expert_tensors_of_layer"):
-            continue
-        table.add_row(k, escape(", ".join(f"{a}={b}" for a, b in v.items()) if isinstance(v, dict) else str(v)))
-    out_console.print(table)
-    if "ranks" in info:
-        rt = Table(title="ranks")
-        cols = ("rank", "ep_rank", "tp_rank", "experts", "local_expert_offset", "intermediate_slice", "files", "bytes")
-        for col in cols:
-            rt.add_column(col, justify="right")
-        for r in info["ranks"]:
-            rt.add_row(*(escape(str(r[c])) if c != "bytes" else _fmt_bytes(r[c]) for c in cols))
-        out_console.print(rt)
-    else:
-        ex = info["expert_tensors_of_layer"]
-        et = Table(title=escape(f"expert tensors of layer {ex['layer']} ({ex['prefix']}.*)"))
-        for col in ("tensor", "dtype", "shape"):
-            et.add_column(col)
-        for n, t in ex["tensors"].items():
-            et.add_row(n[len(ex["prefix"]) + 1:], t["dtype"], str(t["shape"]))
-        out_console.print(et)
+    out_console.print_json(json.dumps(info)) if as_json else _print_inspect(info)
 
 
-@app.command(epilog="Examples:\n\n  moeshard verify out/\n\n  moeshard verify out/ --json")
+@app.command(epilog=examples("moeshard verify out/", "moeshard verify out/ --json"))
 def verify(
     artifact: Annotated[Path, typer.Argument(help="Artifact folder written by moeshard convert.")],
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Re-hash every file against the manifest (sha256); exit 1 on any missing or changed file."""
-    from moeshard.convert.manifest import read_manifest
+    """Re-hash every file against the manifest (sha256); exit 1 on any problem."""
     from moeshard.convert.verify import as_json as to_json
-    from moeshard.convert.verify import manifest_files
     from moeshard.convert.verify import verify as run
 
-    total = sum(f["bytes"] for f in manifest_files(read_manifest(artifact)))
-    ctx, tick = _progress(not (as_json or quiet), total, "verifying")
+    ctx, tick = _progress(not (as_json or quiet), description="verifying", in_bytes=True)
     with ctx:
         checks = run(artifact, progress=tick)
     bad = [c for c in checks if not c.ok]
@@ -244,24 +317,24 @@ def verify(
         out_console.print_json(json.dumps(to_json(checks)))
     else:
         for c in bad:
-            err_console.print(f"FAIL: {artifact / c.path}: {c.problem}")
+            err_console.print(f"FAIL: {artifact / c.path}: {c.problem}", markup=False)
         out_console.print(("[green]OK[/]" if not bad else "[red]FAIL[/]") +
                           f": {len(checks) - len(bad)}/{len(checks)} files match the manifest "
-                          f"({_fmt_bytes(sum(c.bytes for c in checks))}, sha256)")
+                          f"({fmt_bytes(sum(c.bytes for c in checks))}, sha256)")
     if bad:
         raise typer.Exit(1)
 
 
-@app.command(epilog="Example:\n\n  moeshard push out/ my-org/gpt-oss-120b-trtllm-ep8")
+@app.command(epilog=examples("moeshard push out/ my-org/gpt-oss-120b-trtllm-ep8"))
 def push(
     artifact: Annotated[Path, typer.Argument(help="Artifact folder written by moeshard convert.")],
     repo_id: Annotated[str, typer.Argument(help="Hub repository to upload to (created if needed).")],
-    revision: Annotated[Optional[str], typer.Option(help="Branch to commit to.")] = None,
-    private: Annotated[Optional[bool], typer.Option("--private/--public", help="Visibility of a new repo.")] = None,
-    token: Annotated[Optional[str], typer.Option(help="Hub token (default: HF_TOKEN or the saved login).")] = None,
+    revision: Annotated[str | None, typer.Option(help="Branch to commit to.")] = None,
+    private: Annotated[bool | None, typer.Option("--private/--public", help="Visibility of a new repo.")] = None,
+    token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Upload an artifact to the Hugging Face Hub with a generated model card (README.md)."""
+    """Upload the files the manifest lists, with a generated model card, in one commit."""
     from moeshard.convert.push import push as run
 
     info = run(artifact, repo_id, revision=revision, private=private, token=token)
@@ -276,7 +349,7 @@ def _print_report(report, as_json: bool) -> None:
         out_console.print_json(json.dumps(report.to_json()))
         return
     for note in report.notes:
-        err_console.print(f"note: {note}")
+        err_console.print(f"note: {note}", markup=False)
     table = Table(title=f"validate {report.artifact} against {report.source}")
     for col in ("rank", "layer", "backend", "max abs error", "rel error", "verdict"):
         table.add_column(col, justify="right")
@@ -286,63 +359,60 @@ def _print_report(report, as_json: bool) -> None:
     out_console.print(table)
     for r in report.rows:
         if not r.passed:
-            err_console.print(f"FAIL: {r.detail}")
+            err_console.print(f"FAIL: {r.detail}", markup=False)
     out_console.print(("[green]PASS[/]" if report.passed else "[red]FAIL[/]") +
                       f": {sum(r.passed for r in report.rows)}/{len(report.rows)} checks "
                       f"(tolerance {report.tolerance:g}, {report.tokens} tokens, seed {report.seed})")
 
 
-@app.command(epilog="Examples:\n\n  moeshard validate out/\n\n  moeshard validate out/ --ranks 0-3 --layers 0,1 --json")
+@app.command(epilog=examples("moeshard validate out/", "moeshard validate out/ --ranks 0-3 --layers 0,1 --json"))
 def validate(
     artifact: Annotated[Path, typer.Argument(help="Artifact folder written by moeshard convert.")],
-    source: Annotated[Optional[Path], typer.Option(help="Source checkpoint (default: the one in the manifest).")] = None,
-    layers: Annotated[Optional[str], typer.Option(help="MoE layers to check, e.g. 0-3,7 (default: all).")] = None,
-    ranks: Annotated[Optional[str], typer.Option(help="Ranks to check, e.g. 0-3 (default: all).")] = None,
-    tokens: Annotated[int, typer.Option(help="Number of random hidden states per layer.")] = 32,
+    source: Annotated[Path | None, typer.Option(help="Source checkpoint (default: where this machine converted "
+                                                        "it from, or its Hub snapshot in the local cache).")] = None,
+    layers: Annotated[str | None, typer.Option(help="MoE layers to check, e.g. 0-3,7 (default: all).")] = None,
+    ranks: RanksOpt = None,
+    tokens: Annotated[int, typer.Option(min=1, help="Number of random hidden states per layer.")] = 32,
     seed: Annotated[int, typer.Option(help="Seed of the hidden states.")] = 0,
-    backend: Annotated[str, typer.Option(help="auto (trtllm-gen on Blackwell, else decode), trtllm-gen or decode.")] = "auto",
+    backend: Annotated[str, typer.Option(help="auto (trtllm-gen on Blackwell, else decode), trtllm-gen or "
+                                              "decode.")] = "auto",
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Run the MoE on every rank shard and compare with the source checkpoint; exit 1 on any failure."""
+    """Run the MoE on every rank shard against the source; exit 1 on any failure."""
     from moeshard.validate import validate as run
 
     ctx, tick = _progress(not (as_json or quiet), description="validating")
     with ctx:
         report = run(artifact, source=source, layers=parse_ints(layers), ranks=parse_ints(ranks), tokens=tokens,
-                     seed=seed, backend=backend, device=device, progress=lambda what: tick(0, what))
+                     seed=seed, backend=backend, device=device, progress=tick)
     _print_report(report, as_json)
     if not report.passed:
         raise typer.Exit(1)
 
 
-@app.command(epilog="Examples:\n\n  moeshard demo -o demo-out\n\n  moeshard demo --family deepseek-r1-fp4 --ep-size 4")
+@app.command(epilog=examples("moeshard demo -o demo-out", "moeshard demo --family deepseek-r1-fp4 --ep-size 4"))
 def demo(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Working folder (replaced).")] = Path("demo-out"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Working folder (a previous demo's output in it is "
+                                                                "replaced; anything else is refused).")] = Path("demo-out"),
     family: Annotated[str, typer.Option(help="gpt-oss, deepseek-r1-fp4 or llama4-scout-fp4.")] = "gpt-oss",
-    ep_size: Annotated[int, typer.Option(help="Expert-parallel ranks.")] = 2,
+    ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel ranks.")] = 2,
     as_json: JsonOpt = False,
 ) -> None:
-    """Generate a tiny checkpoint (GPT-OSS by default), convert it with --ep-size 2, validate, print the report."""
-    import shutil
-
-    from moeshard.convert.pipeline import convert as run_convert
-    from moeshard.fixtures import fixture as make
+    """Make a tiny checkpoint, convert it into EP ranks, validate, print the report."""
+    from moeshard.demo import run_demo
     from moeshard.inspect import inspect_path
-    from moeshard.validate import validate as run_validate
 
-    if output.exists():
-        shutil.rmtree(output)
-    src = make(family, "tiny", output / "source")
-    res = run_convert(src, output / "artifact", ep_size=ep_size)
-    report = run_validate(res.out)
+    d = run_demo(output, family, ep_size)
+    res, report = d.convert, d.report
     if as_json:
         out_console.print_json(json.dumps({"inspect": inspect_path(res.out), "validate": report.to_json()}))
     else:
-        err_console.print(f"1. fixture: tiny {family} checkpoint ({res.manifest['quant_format']}) in {src}")
-        err_console.print(f"2. convert: {len(res.manifest['ranks'])} ranks in {res.out} "
-                          f"({_fmt_bytes(res.bytes_written)}, {res.seconds:.2f} s)")
+        err_console.print(f"1. fixture: tiny {family} checkpoint ({res.manifest['quant_format']}) in {d.source}",
+                          markup=False)
+        err_console.print(f"2. convert: {plural(len(res.manifest['ranks']), 'rank')} in {res.out} "
+                          f"({fmt_bytes(res.bytes_written)}, {res.seconds:.2f} s)", markup=False)
         err_console.print("3. validate:")
         _print_report(report, False)
     if not report.passed:
@@ -350,19 +420,18 @@ def demo(
 
 
 def main() -> None:
-    """Entry point: known user errors become one stderr line and exit status 1."""
+    """Entry point: known user errors become one stderr line and their exit status (1; 130 for
+    Ctrl-C); ``MOESHARD_DEBUG=1`` shows the traceback instead."""
     try:
         app()
-    except KeyboardInterrupt:
-        print("moeshard: interrupted; nothing that looks finished was left (no manifest); "
-              "convert --resume continues a conversion", file=sys.stderr)
-        sys.exit(130)
     except MoeshardError as e:
-        if os.environ.get("MOESHARD_DEBUG"):
+        if os.environ.get(DEBUG_ENV):
             raise
         print(f"moeshard: error: {e}", file=sys.stderr)
-        print("hint: set MOESHARD_DEBUG=1 to see the traceback", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("moeshard: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

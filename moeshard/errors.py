@@ -11,3 +11,11 @@ class MoeshardError(Exception):
     ``model-00000-of-00002.safetensors: model.layers.0.mlp.experts.gate_up_proj_scales:
     expected dtype U8, found BF16``.
     """
+
+    exit_code = 1
+
+
+class Interrupted(MoeshardError):
+    """Ctrl-C (SIGINT) during a run; the message says what was kept and how to continue."""
+
+    exit_code = 130

@@ -1,55 +1,44 @@
-"""``moeshard inspect``: what a source checkpoint or an artifact holds, as a plain dict."""
+"""``moeshard inspect``: what a source checkpoint or an artifact holds, as a plain dict.
+
+An artifact is described from its manifest alone (no torch import); a checkpoint from its
+config and tensor headers.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from moeshard.convert.manifest import is_artifact, read_manifest
+from moeshard.convert.manifest import is_artifact, read_manifest, source_label
 
 
-def inspect_path(path: Path | str) -> dict:
-    """Summary of a checkpoint folder, a Hub repo id, or an artifact (it has moeshard.json)."""
-    from moeshard.convert.hub import looks_like_repo_id, resolve
+def _artifact(path: Path) -> dict:
+    m = read_manifest(path)
+    first = m["moe_layers"][0]
+    return {
+        "kind": "artifact",
+        "path": str(path),
+        "family": m["family"],
+        "quant_format": m["quant_format"],
+        "layout": m["layout"],
+        "padding": m["padding"],
+        "num_experts": m["num_experts"],
+        "moe_layers": len(m["moe_layers"]),
+        "ep_size": m["ep_size"],
+        "tp_size": m["tp_size"],
+        "placement": m["placement"],
+        "source": source_label(m["source"]),
+        "kernel_args": first["kernel_args"],
+        "ranks": [{"rank": r["rank"], "ep_rank": r["ep_rank"], "tp_rank": r["tp_rank"], "experts": r["experts"],
+                   "local_expert_offset": r["local_expert_offset"], "intermediate_slice": r["intermediate_slice"],
+                   "files": len(r["files"]), "bytes": sum(f["bytes"] for f in r["files"])} for r in m["ranks"]],
+        "common_bytes": sum(f["bytes"] for f in m["common"]["files"]) if m["common"] else None,
+        "rank_count": m["rank_count"],
+    }
 
-    if looks_like_repo_id(str(path)):
-        path, _ = resolve(str(path))
-    path = Path(path)
-    if is_artifact(path):
-        m = read_manifest(path)
-        first = m["moe_layers"][0]
-        return {
-            "kind": "artifact",
-            "path": str(path),
-            "family": m["family"],
-            "quant_format": m["quant_format"],
-            "layout": m["layout"],
-            "padding": m["padding"],
-            "num_experts": m["num_experts"],
-            "moe_layers": len(m["moe_layers"]),
-            "ep_size": m["ep_size"],
-            "tp_size": m["tp_size"],
-            "placement": m["placement"],
-            "source": (f"{m['source']['repo_id']}@{m['source']['commit']}" if m["source"]["repo_id"]
-                       else m["source"]["path"]),
-            "kernel_args": first["kernel_args"],
-            "ranks": [{"rank": r["rank"], "ep_rank": r["ep_rank"], "tp_rank": r["tp_rank"],
-                       "experts": (f"{r['experts'][0]}-{r['experts'][-1]}" if r["local_expert_offset"] is not None
-                                   else f"{r['experts'][0]},{r['experts'][1]},..,{r['experts'][-1]}"
-                                   if len(r["experts"]) > 2 else ",".join(map(str, r["experts"]))),
-                       "local_expert_offset": r["local_expert_offset"],
-                       "intermediate_slice": r["intermediate_slice"], "files": len(r["files"]),
-                       "bytes": sum(f["bytes"] for f in r["files"])} for r in m["ranks"]],
-            "common_bytes": sum(f["bytes"] for f in m["common"]["files"]) if m["common"] else None,
-            "rank_count": m["rank_count"],
-        }
+
+def _checkpoint(path: Path) -> dict:
     from moeshard.convert.families import detect
-    from moeshard.convert.output import STATE_DIR
     from moeshard.convert.source import Checkpoint
-    from moeshard.errors import MoeshardError
-
-    if (path / STATE_DIR).exists() or (path / "rank-00000").is_dir():
-        raise MoeshardError(f"{path}: not a moeshard artifact: moeshard.json is missing (an interrupted or unfinished "
-                            "conversion; finish it with moeshard convert --resume)")
 
     with Checkpoint(path) as ckpt:
         adapter = detect(ckpt)
@@ -76,3 +65,23 @@ def inspect_path(path: Path | str) -> dict:
             "expert_bytes": sum(ckpt.tensors[n].nbytes for n in spec.expert_tensors),
             "expert_tensors_of_layer": {"layer": layer, "prefix": prefix, "tensors": experts},
         }
+
+
+def inspect_path(path: Path | str) -> dict:
+    """Summary of a checkpoint folder, a Hub repo id, or an artifact (it has moeshard.json)."""
+    from moeshard.convert.hub import looks_like_repo_id, resolve
+    from moeshard.errors import MoeshardError
+
+    if looks_like_repo_id(str(path)):
+        path, _ = resolve(str(path))
+    path = Path(path)
+    if is_artifact(path):
+        return _artifact(path)
+    if not path.exists():
+        raise MoeshardError(f"{path}: does not exist (expected a checkpoint folder, a Hub repo id or an artifact)")
+    from moeshard.convert.output import STATE_DIR
+
+    if (path / STATE_DIR).exists() or (path / "rank-00000").is_dir():
+        raise MoeshardError(f"{path}: not a moeshard artifact: moeshard.json is missing (an interrupted or unfinished "
+                            "conversion; finish it with moeshard convert --resume)")
+    return _checkpoint(path)

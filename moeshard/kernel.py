@@ -19,7 +19,7 @@ def flashinfer_version() -> str | None:
         from importlib.metadata import version
 
         return version("flashinfer-python")
-    except Exception:  # noqa: BLE001 - not installed is an answer, not an error
+    except Exception:
         return None
 
 

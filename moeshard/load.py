@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from moeshard.convert.io import DTYPES, pread_into
-from moeshard.convert.manifest import read_manifest
+from moeshard.convert.io import DTYPES, header_length, pread_into
+from moeshard.convert.manifest import artifact_file, read_manifest
 from moeshard.errors import MoeshardError
 from moeshard.kernel import flashinfer_version, static_kernel_args
 from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION
@@ -95,9 +94,15 @@ def read_file_to(path: Path, device: str | torch.device, chunk: int = CHUNK, wor
     path = Path(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        header = json.loads(os.pread(fd, n, 8))
-        start, size = 8 + n, path.stat().st_size - 8 - n
+        total = os.fstat(fd).st_size
+        n = header_length(path, os.pread(fd, 8, 0), total)
+        try:
+            header = json.loads(os.pread(fd, n, 8))
+            if not isinstance(header, dict):
+                raise ValueError(f"expected a JSON object, found {type(header).__name__}")
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise MoeshardError(f"{path}: unreadable safetensors header: {e}") from None
+        start, size = 8 + n, total - 8 - n
         device = torch.device(device)
         if device.type != "cuda":
             buf = torch.empty(size, dtype=torch.uint8)
@@ -128,16 +133,22 @@ def read_file_to(path: Path, device: str | torch.device, chunk: int = CHUNK, wor
         os.close(fd)
 
 
-def _views(header: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+def _views(header: dict, buf: torch.Tensor, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one file as views of ``buf``; a MoeshardError for a header that does not fit."""
     out = {}
     for name, h in header.items():
         if name == "__metadata__":
             continue
-        a, b = h["data_offsets"]
-        dtype = DTYPES[h["dtype"]]
-        t = buf[a:b]
-        t = t.view(dtype) if a % dtype.itemsize == 0 else t.clone().view(dtype)  # files of other writers
-        out[name] = t.view(h["shape"])
+        try:
+            a, b = h["data_offsets"]
+            dtype = DTYPES[h["dtype"]]
+            if not 0 <= a <= b <= buf.numel():
+                raise ValueError(f"data_offsets {a}..{b} outside the {buf.numel()} data bytes")
+            t = buf[a:b]
+            t = t.view(dtype) if a % dtype.itemsize == 0 else t.clone().view(dtype)  # files of other writers
+            out[name] = t.view(h["shape"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise MoeshardError(f"{path}: {name}: unreadable safetensors header entry ({type(e).__name__}: {e})") from None
     return out
 
 
@@ -168,12 +179,12 @@ def load_rank(artifact: Path | str, rank: int, device: str | torch.device = "cud
     tensors: dict[str, torch.Tensor] = {}
     nbytes = 0
     for f in info["files"]:
-        path = artifact / f["path"]
+        path = artifact_file(artifact, f["path"])
         if not path.is_file() or path.stat().st_size != f["bytes"]:
             raise MoeshardError(f"{path}: missing or of the wrong size (expected {f['bytes']} bytes); "
                                 "moeshard verify checks the artifact")
         header, buf = read_file_to(path, device)
-        tensors.update(_views(header, buf))
+        tensors.update(_views(header, buf, path))
         nbytes += f["bytes"]
     layers = {}
     for entry in m["moe_layers"]:
@@ -185,4 +196,4 @@ def load_rank(artifact: Path | str, rank: int, device: str | torch.device = "cud
                                                                         for k, v in m["router"].items()},
                                           m["padding"]["hidden_size_padded"], m["padding"]["hidden_size"])
     return RankWeights(artifact, rank, info["ep_rank"], info["tp_rank"], info["experts"], layers,
-                       artifact / m["common"]["folder"] if m["common"] else None, m, nbytes)
+                       artifact_file(artifact, m["common"]["folder"]) if m["common"] else None, m, nbytes)

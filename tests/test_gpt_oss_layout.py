@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _reference import vllm_gpt_oss_trtllm
 from safetensors import safe_open
 
-from _reference import vllm_gpt_oss_trtllm
 from moeshard.convert.manifest import read_manifest
 from moeshard.convert.source import Checkpoint
 from moeshard.layouts.trtllm import from_trtllm

@@ -13,14 +13,14 @@ from pathlib import Path
 import huggingface_hub
 import huggingface_hub.constants
 import pytest
+from test_reliability import tree_bytes
 
 from moeshard.convert.families import detect_config
 from moeshard.convert.hub import ALLOW_PATTERNS, needed_files, needed_tensors
-from moeshard.convert.manifest import read_manifest
+from moeshard.convert.manifest import LOCAL_NAME, read_manifest
 from moeshard.convert.pipeline import convert
 from moeshard.errors import MoeshardError
 from moeshard.validate import validate
-from test_reliability import tree_bytes
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -61,12 +61,12 @@ def test_repo_id_resolves_from_the_cache_offline(tmp_path, gpt_oss_tiny, offline
     local = tmp_path / "local"
     convert(gpt_oss_tiny, local, ep_size=2)
     a, b = tree_bytes(tmp_path / "out"), tree_bytes(local)
-    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a if k != "moeshard.json")
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a if k not in ("moeshard.json", LOCAL_NAME))
     assert res.bytes_written > 0
 
 
 def test_offline_without_the_repo_is_one_clear_error(tmp_path, offline):
-    with pytest.raises(MoeshardError, match=r"org/missing: not in the local Hub cache .*HF_HUB_OFFLINE"):
+    with pytest.raises(MoeshardError, match=r"org/missing: no folder org/missing here, and not in the local Hub cache .*HF_HUB_OFFLINE"):
         convert("org/missing", tmp_path / "out", cache_dir=tmp_path / "hub")
 
 
@@ -150,7 +150,7 @@ def test_rank_only_run_downloads_only_what_it_needs(request, tmp_path, offline, 
     convert(src, full, ep_size=ep)
     own = f"rank-{rank:05d}"
     assert tree_bytes(out / own) == tree_bytes(full / own)
-    assert sorted(p.name for p in out.iterdir()) == sorted(["moeshard.json", "config.json", own]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["moeshard.json", LOCAL_NAME, "config.json", own]
                                                              + [n for n in ("generation_config.json", "hf_quant_config.json")
                                                                 if (src / n).exists()])
     assert validate(out).passed
@@ -170,20 +170,15 @@ def test_push_makes_one_commit_with_every_file_and_a_model_card(tmp_path, artifa
 
     def create_commit(self, repo_id, operations, commit_message, **kw):
         made["commit"] = (repo_id, sorted(op.path_in_repo for op in operations), commit_message, kw)
+        made["card"] = next(op.path_or_fileobj for op in operations if op.path_in_repo == "README.md")
         return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/abc", commit_message=commit_message,
                           commit_description="", oid="abc", pr_url=None)
 
-    def validate_yaml(self, content, **kw):  # the Hub's /api/validate-yaml: check the front matter parses
-        from huggingface_hub import ModelCard
-
-        made["card_tags"] = ModelCard(content).data.tags
-
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "_validate_yaml", validate_yaml)
     monkeypatch.setattr(HfApi, "create_commit", create_commit)
     monkeypatch.setattr("huggingface_hub.hf_api.is_xet_available", lambda: False)
+    from moeshard.convert.manifest import manifest_files
     from moeshard.convert.push import push
-    from moeshard.convert.verify import manifest_files
 
     info = push(out, "me/ds-tiny-ep2")
     m = read_manifest(out)
@@ -191,9 +186,12 @@ def test_push_makes_one_commit_with_every_file_and_a_model_card(tmp_path, artifa
     assert repo_id == "me/ds-tiny-ep2" and info.oid == "abc"
     assert paths == sorted([f["path"] for f in manifest_files(m)] + ["moeshard.json", "README.md"])
     assert message == "moeshard deepseek artifact: 2 ranks (ep 2 x tp 1)"
-    card = (out / "README.md").read_text()
+    card = made["card"].decode()
+    assert not (out / "README.md").exists()  # made in memory, never written into the artifact
     assert "moeshard.load_rank" in card and "| 1 | 1 | 0 | 8..15 (8) | 0..192 |" in card and "nvfp4" in card
-    assert made["card_tags"] == ["moeshard", "flashinfer", "trtllm-gen", "nvfp4"]
+    from huggingface_hub import ModelCard
+
+    assert ModelCard(card).data.tags == ["moeshard", "flashinfer", "trtllm-gen", "nvfp4"]  # the front matter parses
     assert made["repo"] == ("me/ds-tiny-ep2", {"private": None, "exist_ok": True, "repo_type": "model"})
 
 

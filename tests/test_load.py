@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
+from test_trtllm_args import launcher_checks
 
 import moeshard
 from moeshard.convert.manifest import read_manifest
 from moeshard.errors import MoeshardError
-from test_trtllm_args import launcher_checks
 
 FAMILIES = ["gpt_oss_tiny", "deepseek_tiny", "llama4_tiny"]
 
@@ -42,9 +42,9 @@ def test_tensors_equal_the_rank_files(artifacts, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kernel_kwargs_pass_the_launcher_checks(artifacts, family):
-    from flashinfer.fused_moe import trtllm_fp4_block_scale_moe
-
     import inspect
+
+    from flashinfer.fused_moe import trtllm_fp4_block_scale_moe
 
     params = set(inspect.signature(trtllm_fp4_block_scale_moe).parameters)
     out = artifacts(family, 2)

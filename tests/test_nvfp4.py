@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 import torch
-
 from _reference import dequant_nvfp4_ref, pad_2d, pad_w13, vllm_nvfp4_trtllm
+
+from moeshard.convert.families import QuantFormat
 from moeshard.convert.manifest import read_manifest
 from moeshard.convert.pipeline import convert
 from moeshard.convert.source import Checkpoint
@@ -17,7 +18,6 @@ from moeshard.errors import MoeshardError
 from moeshard.layouts.trtllm import from_trtllm
 from moeshard.validate.moe import moe_forward
 from moeshard.validate.run import expert_fn
-from moeshard.convert.families import QuantFormat
 
 FAMILIES = ["deepseek_tiny", "llama4_tiny"]
 

@@ -232,7 +232,7 @@ def test_bad_input_is_one_line_and_leaves_no_artifact(request, tmp_path, monkeyp
     err = capsys.readouterr().err
     assert e.value.code == 1 and "Traceback" not in err
     first = err.splitlines()[0]
-    assert first.startswith("moeshard: error: ") and len(err.splitlines()) == 2, err
+    assert first.startswith("moeshard: error: ") and len(err.splitlines()) == 1, err
     import re
 
     assert re.search(message, first), first

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from _reference import interleave_formula
+
 from moeshard.layouts.scales import deinterleave_scales_128x4, interleave_scales_128x4
 
 #: Rows and columns off multiples of 128 and 4, and on them.

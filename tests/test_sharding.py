@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _reference import pad_2d, pad_w13, vllm_gpt_oss_trtllm, vllm_nvfp4_trtllm
+from test_nvfp4 import rank_tensors, source_experts
+
 from moeshard.convert.manifest import read_manifest
 from moeshard.convert.pipeline import convert
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.validate import validate
-from test_nvfp4 import rank_tensors, source_experts
 
 FAMILIES = ["gpt_oss_tiny", "deepseek_tiny", "llama4_tiny"]
 LAYOUTS = [(1, 2, "contiguous"), (1, 4, "contiguous"), (2, 2, "contiguous"), (2, 1, "round-robin"),

@@ -8,10 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_reliability import tree_bytes
+
 from moeshard.convert.manifest import MANIFEST_NAME
 from moeshard.convert.output import FAULT_ENV
 from moeshard.convert.pipeline import convert
-from test_reliability import tree_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

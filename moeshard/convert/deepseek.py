@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.convert.families import Family, ModelSpec, QuantFormat
+from moeshard.convert.families import Family, ModelSpec, QuantFormat, check_sizes
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
 
@@ -56,6 +56,8 @@ def read_scalar(ckpt: Checkpoint, name: str) -> torch.Tensor:
 class DeepSeekAdapter:
     family = Family.DEEPSEEK
     prefix = PREFIX
+    layers_key = "num_hidden_layers"
+    experts_key = "n_routed_experts"
 
     @staticmethod
     def num_experts(cfg: dict) -> int:
@@ -72,6 +74,7 @@ class DeepSeekAdapter:
 
     def spec(self, ckpt: Checkpoint) -> ModelSpec:
         cfg, where = ckpt.config, ckpt.root / "config.json"
+        check_sizes(self, ckpt.config, [*ckpt.tensors, *ckpt.absent], where)
         check_group_size(ckpt)
         positive_ints(cfg, where, ("n_routed_experts", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
                                    "num_experts_per_tok", "n_group", "topk_group"))

@@ -18,7 +18,7 @@ class Group:
         self.rank, self.world = rank, world
 
     @classmethod
-    def from_env(cls) -> "Group":
+    def from_env(cls) -> Group:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()

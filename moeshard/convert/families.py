@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+from moeshard.errors import MoeshardError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -59,6 +62,8 @@ class Adapter(Protocol):
 
     family: Family
     prefix: str  # expert module prefix template, "{layer}" placeholder
+    layers_key: str  # config.json key of the layer count ("a.b": nested)
+    experts_key: str  # config.json key of the routed expert count
 
     def moe_layers(self, config: dict) -> tuple[int, ...]:
         """The MoE layers, from config.json alone (rank-only downloads plan with it)."""
@@ -69,22 +74,22 @@ class Adapter(Protocol):
     def detect(self, config: dict, quant_config: dict | None) -> bool:
         """Whether config.json (and hf_quant_config.json) describe this family."""
 
-    def spec(self, ckpt: "Checkpoint") -> ModelSpec:
+    def spec(self, ckpt: Checkpoint) -> ModelSpec:
         """Validate every expert tensor's header against the config; raise MoeshardError if off."""
 
     sources: dict[str, tuple[str, ...]]
     """Canonical field -> the leaf names of its source tensors (prefetching reads them ahead)."""
 
-    def read_raw(self, ckpt: "Checkpoint", spec: ModelSpec, layer: int, field: str, start: int, stop: int
-                 ) -> "tuple[Tensor, Tensor | None] | None":
+    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
+                 ) -> tuple[Tensor, Tensor | None] | None:
         """Experts ``[start, stop)`` of one canonical field (``w13``, ``w13_scale``, ``w2``,
         ``w2_scale``, ``w13_bias``, ``w2_bias``; see :class:`CanonicalExperts`), unpadded:
         ``(src, rows)`` where ``src[:, rows]`` (``src`` when rows is None) is the field, so that
         a checkpoint's own row order is read in place; None for a field the family lacks.
         Block scales are checked for NaN codes."""
 
-    def read_scalars(self, ckpt: "Checkpoint", spec: ModelSpec, layer: int, start: int, stop: int
-                     ) -> "dict[str, Tensor]":
+    def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
+                     ) -> dict[str, Tensor]:
         """NVFP4: ``w13_scale_2``, ``w2_scale_2``, ``w13_input_scale``, ``w2_input_scale``
         ``[n]`` float32 of experts ``[start, stop)``; MXFP4: {}."""
 
@@ -97,8 +102,8 @@ class Adapter(Protocol):
 ROW_FIELDS = ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias")
 
 
-def read_experts(adapter: Adapter, ckpt: "Checkpoint", spec: ModelSpec, layer: int, start: int,
-                 stop: int) -> "CanonicalExperts":
+def read_experts(adapter: Adapter, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int,
+                 stop: int) -> CanonicalExperts:
     """Experts ``[start, stop)`` of one layer in canonical form, unpadded."""
     from moeshard.layouts.canonical import CanonicalExperts
 
@@ -110,6 +115,37 @@ def read_experts(adapter: Adapter, ckpt: "Checkpoint", spec: ModelSpec, layer: i
     return CanonicalExperts(**fields, **adapter.read_scalars(ckpt, spec, layer, start, stop))
 
 
+#: The most experts a trtllm-gen routing kernel takes (FlashInfer 0.7.2 routing: 2048 for
+#: Renormalize, fewer for grouped DeepSeekV3); larger counts in a config are refused up front.
+MAX_EXPERTS = 2048
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def config_value(config: dict, key: str):
+    """``config["a"]["b"]`` for ``key`` "a.b" (None where missing)."""
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def check_sizes(adapter: Adapter, config: dict, names, where) -> None:
+    """Refuse layer and expert counts that are not positive integers or exceed what the checkpoint's
+    tensor names hold (or the kernel routes), before anything is built from them."""
+    names = list(names)
+    layers = 1 + max((int(m.group(1)) for n in names if (m := _LAYER.search(n))), default=-1)
+    experts = 1 + max((int(m.group(1)) for n in names if (m := _EXPERT.search(n))), default=-1)
+    for key, limit, what in ((adapter.layers_key, layers, "the layers present in the checkpoint"),
+                             (adapter.experts_key, min(experts or MAX_EXPERTS, MAX_EXPERTS),
+                              "the experts present in the checkpoint" if experts else
+                              "the most a trtllm-gen routing kernel takes")):
+        v = config_value(config, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise MoeshardError(f"{where}: {key}: expected a positive integer, found {v!r}")
+        if v > limit:
+            raise MoeshardError(f"{where}: {key}: expected at most {limit} ({what}), found {v}")
+
+
 def adapters() -> dict[Family, Adapter]:
     from moeshard.convert.deepseek import DeepSeekAdapter
     from moeshard.convert.gpt_oss import GptOssAdapter
@@ -118,14 +154,12 @@ def adapters() -> dict[Family, Adapter]:
     return {Family.GPT_OSS: GptOssAdapter(), Family.DEEPSEEK: DeepSeekAdapter(), Family.LLAMA4: Llama4Adapter()}
 
 
-def detect(ckpt: "Checkpoint") -> Adapter:
+def detect(ckpt: Checkpoint) -> Adapter:
     """The adapter whose family matches the checkpoint's config, or a MoeshardError."""
     return detect_config(ckpt.config, ckpt.quant_config, ckpt.root / "config.json")
 
 
 def detect_config(config: dict, quant_config: dict | None, where) -> Adapter:
-    from moeshard.errors import MoeshardError
-
     for adapter in adapters().values():
         if adapter.detect(config, quant_config):
             return adapter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.convert.families import Family, ModelSpec, QuantFormat
+from moeshard.convert.families import Family, ModelSpec, QuantFormat, check_sizes
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
 
@@ -31,6 +31,8 @@ def _deinterleaved_rows(two_i: int) -> torch.Tensor:
 class GptOssAdapter:
     family = Family.GPT_OSS
     prefix = PREFIX
+    layers_key = "num_hidden_layers"
+    experts_key = "num_local_experts"
 
     @staticmethod
     def num_experts(cfg: dict) -> int:
@@ -46,6 +48,7 @@ class GptOssAdapter:
     def spec(self, ckpt: Checkpoint) -> ModelSpec:
         cfg = ckpt.config
         where = ckpt.root / "config.json"
+        check_sizes(self, ckpt.config, [*ckpt.tensors, *ckpt.absent], where)
         q = cfg.get("quantization_config") or {}
         if q.get("quant_method") != "mxfp4":
             raise MoeshardError(f"{where}: quantization_config.quant_method: expected 'mxfp4', found {q.get('quant_method')!r}")

@@ -42,37 +42,65 @@ def looks_like_repo_id(source: str) -> bool:
     return not Path(source).exists() and source.count("/") == 1 and not source.startswith((".", "/", "~"))
 
 
-def _hub_error(repo_id: str, e: Exception) -> MoeshardError:
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+def hub_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a hub call raises for a reason the user can fix (network, auth, not found)."""
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+    )
 
+    errors: tuple = (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, IncompleteSnapshotError, OSError,
+                     ValueError)
+    try:  # huggingface_hub 2.x speaks HTTP through httpx2 (1.x: httpx); a dead network raises its errors
+        import httpx2
+
+        errors += (httpx2.HTTPError, httpx2.InvalidURL)
+    except ImportError:
+        pass
+    return errors
+
+
+def hub_error(repo_id: str, e: BaseException, local_hint: bool = False) -> MoeshardError:
+    """One line for a hub failure; ``local_hint``: ``repo_id`` could also have been a mistyped
+    relative path, so say that no such folder exists either."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    first = (str(e).strip().splitlines() or [""])[0]
     if isinstance(e, GatedRepoError):
         return MoeshardError(f"{repo_id}: gated repository: accept its license on https://huggingface.co/{repo_id}, "
                              "then authenticate with `hf auth login` or HF_TOKEN=<token>")
     if isinstance(e, RevisionNotFoundError):
-        return MoeshardError(f"{repo_id}: revision not found: {e}")
+        return MoeshardError(f"{repo_id}: revision not found: {first}")
+    prefix = f"{repo_id}: no folder {repo_id} here, and " if local_hint else f"{repo_id}: "
     if isinstance(e, RepositoryNotFoundError):
-        return MoeshardError(f"{repo_id}: repository not found on the Hub (or private: authenticate with "
+        return MoeshardError(f"{prefix}no Hub repository of that name (or it is private: authenticate with "
                              "`hf auth login` or HF_TOKEN)")
     if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
-        return MoeshardError(f"{repo_id}: not in the local Hub cache and the Hub cannot be reached "
-                             f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {str(e).splitlines()[0]}")
-    return MoeshardError(f"{repo_id}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return MoeshardError(f"{prefix}not in the local Hub cache and the Hub cannot be reached "
+                             f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {first}")
+    return MoeshardError(f"{prefix}the Hub request failed ({type(e).__name__}: {first})" if local_hint else
+                         f"{repo_id}: the Hub request failed ({type(e).__name__}: {first}); check the network, "
+                         "HF_ENDPOINT and HF_TOKEN")
 
 
 def download(repo_id: str, patterns: list[str], revision: str | None = None, cache_dir: Path | None = None,
              token: str | None = None) -> Path:
     """``snapshot_download`` of the files matching ``patterns`` from one revision."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError,
-                                        OfflineModeIsEnabled)
 
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns), cache_dir=cache_dir,
                                       token=token))
-    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, IncompleteSnapshotError, OSError,
-            ValueError) as e:
-        raise _hub_error(repo_id, e) from None
+    except hub_errors() as e:
+        raise hub_error(repo_id, e, local_hint=True) from None
 
 
 def file_hashes(snapshot: Path) -> dict[str, dict]:

@@ -6,7 +6,6 @@ memory-maps the file: a slice reads only its own bytes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moeshard.errors import MoeshardError
+from moeshard.files import write_json
 
 #: safetensors header dtype code -> torch dtype (every code the installed safetensors knows).
 DTYPES: dict[str, torch.dtype] = {
@@ -64,6 +64,23 @@ class TensorInfo:
         return n
 
 
+#: safetensors refuses headers larger than this (``safetensors/src/tensor.rs``, MAX_HEADER_SIZE).
+MAX_HEADER_BYTES = 100_000_000
+
+
+def header_length(path: Path, head: bytes, size: int) -> int:
+    """The header length a safetensors file declares in its first 8 bytes, checked against the file
+    size and safetensors' limit (the message never repeats the bytes: the file may not be one)."""
+    if len(head) < 8:
+        raise MoeshardError(f"{path}: not a safetensors file: expected an 8-byte header length, found {len(head)} bytes")
+    (n,) = struct.unpack("<Q", head)
+    if n + 8 > size or n > MAX_HEADER_BYTES:
+        raise MoeshardError(f"{path}: truncated safetensors header (or not a safetensors file): the header length "
+                            f"it declares exceeds the file size ({size} bytes) or safetensors' "
+                            f"{MAX_HEADER_BYTES // 10**6} MB limit")
+    return n
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Tensor headers of one safetensors file, read without touching tensor bytes.
 
@@ -73,12 +90,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
     size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise MoeshardError(f"{path}: not a safetensors file: expected an 8-byte header length, found {len(head)} bytes")
-        (n,) = struct.unpack("<Q", head)
-        if n + 8 > size:
-            raise MoeshardError(f"{path}: truncated safetensors header: header says {n} bytes, file has {size - 8}")
+        n = header_length(path, f.read(8), size)
         raw = f.read(n)
     try:
         out = {}
@@ -101,26 +113,6 @@ def pread_into(fd: int, view: memoryview, offset: int, what: str) -> None:
         if n == 0:
             raise MoeshardError(f"{what}: ended {len(view) - got} bytes early")
         got += n
-
-
-def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
-
-
-def json_text(obj) -> str:
-    """The one JSON spelling of moeshard's files: sorted keys, indent 2, trailing newline."""
-    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
-
-
-def write_json(path: Path, obj) -> None:
-    """Write JSON atomically (temporary name, then rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json_text(obj))
-    os.replace(tmp, path)
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from moeshard.convert.deepseek import check_group_size, nvfp4_quant_algo, positive_ints, read_scalar
-from moeshard.convert.families import Family, ModelSpec, QuantFormat
+from moeshard.convert.families import Family, ModelSpec, QuantFormat, check_sizes
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
 
@@ -35,6 +35,8 @@ ROUTING_LLAMA4 = 3  # flashinfer RoutingMethodType.Llama4: Top1 -> Sigmoid
 class Llama4Adapter:
     family = Family.LLAMA4
     prefix = PREFIX
+    layers_key = "text_config.num_hidden_layers"
+    experts_key = "text_config.num_local_experts"
 
     @staticmethod
     def num_experts(cfg: dict) -> int:
@@ -51,6 +53,7 @@ class Llama4Adapter:
 
     def spec(self, ckpt: Checkpoint) -> ModelSpec:
         where = ckpt.root / "config.json"
+        check_sizes(self, ckpt.config, [*ckpt.tensors, *ckpt.absent], where)
         cfg = ckpt.config.get("text_config")
         if not isinstance(cfg, dict):
             raise MoeshardError(f"{where}: text_config: expected an object, found {type(cfg).__name__}")

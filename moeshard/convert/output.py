@@ -7,8 +7,10 @@
   into place. ``--resume`` reuses a journaled file only if its size and sha256 still match and
   the fingerprint (source files, arguments, tool version) is the same.
 - Every file is written as ``NAME.tmp`` and renamed; leftover ``.tmp`` files are removed.
-- The manifest is written last, then the journal and the lock are removed. A folder without
-  ``moeshard.json`` is not an artifact.
+- The manifest is written last, then the journal is removed; the lock file goes on every exit.
+  A folder without ``moeshard.json`` is not an artifact.
+- ``--overwrite`` removes only what a previous run made (:func:`previous_output`) and refuses a
+  folder holding anything else; nothing is created or removed before the checks pass.
 
 Hash: SHA-256 (``hashlib``), computed by the writer as it writes (or from the file just written).
 """
@@ -19,13 +21,14 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from moeshard.convert.io import sha256_file, write_json
-from moeshard.convert.manifest import MANIFEST_NAME, is_artifact
+from moeshard.convert.manifest import LOCAL_NAME, MANIFEST_NAME, is_artifact, manifest_files
 from moeshard.errors import MoeshardError
+from moeshard.files import load_json, sha256_file, write_json
 
 LOCK_NAME = ".moeshard.lock"
 STATE_DIR = ".moeshard-incomplete"
@@ -55,6 +58,64 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+#: Files a run makes in every folder it writes: shards (any count), the index, temporaries.
+_OWN_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?|model\.safetensors\.index\.json(\.tmp)?")
+_OWN_FOLDER = re.compile(r"rank-\d{5}|common")
+
+
+def previous_output(out: Path) -> tuple[list[Path], list[str]]:
+    """What a previous moeshard run left in ``out`` and what it did not make.
+
+    Returns ``(ours, foreign)``: ``ours`` are the top-level entries a run makes (the manifest, the
+    lock, the journal folder, the local note, ``rank-*/`` and ``common/`` holding only shard and
+    index files, and the copied files the old manifest or journal lists); ``foreign`` names
+    (relative to ``out``) everything else, symlinks included. A folder with neither a manifest
+    nor a journal was not made by moeshard: all of it is foreign.
+    """
+    out = Path(out)
+    if not out.is_dir():
+        return [], []
+    entries = sorted(out.iterdir())
+    listed: set[str] = set()
+    if (out / MANIFEST_NAME).is_file():
+        try:
+            listed |= {f["path"] for f in manifest_files(load_json(out / MANIFEST_NAME))}
+        except (MoeshardError, KeyError, TypeError):
+            pass
+    for journal in sorted((out / STATE_DIR).glob("journal*.jsonl")) if (out / STATE_DIR).is_dir() else []:
+        for line in journal.read_text(errors="replace").splitlines():
+            try:
+                listed.add(json.loads(line)["path"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    made_by_us = (out / MANIFEST_NAME).is_file() or (out / STATE_DIR).is_dir()
+    ours, foreign = [], []
+    for p in entries:
+        name = p.name
+        if not made_by_us and name != LOCK_NAME:
+            foreign.append(name)
+        elif p.is_symlink():
+            foreign.append(name)
+        elif name in (MANIFEST_NAME, LOCK_NAME, LOCAL_NAME) or (p.is_file() and (name in listed
+                                                                                or name.endswith(".tmp"))):
+            ours.append(p)
+        elif name == STATE_DIR and p.is_dir():
+            ours.append(p)
+        elif _OWN_FOLDER.fullmatch(name) and p.is_dir():
+            stray = [f"{name}/{q.name}" for q in sorted(p.iterdir())
+                     if q.is_symlink() or not q.is_file() or not _OWN_FILE.fullmatch(q.name)]
+            (foreign.extend(stray) if stray else ours.append(p))
+        else:
+            foreign.append(name)
+    return ours, foreign
+
+
+def remove(paths: list[Path]) -> None:
+    """Remove these files and folders (entries :func:`previous_output` found to be ours)."""
+    for p in paths:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+
+
 class OutputDir:
     """Owns ``out`` while a conversion writes it (use as a context manager)."""
 
@@ -67,46 +128,71 @@ class OutputDir:
         self.process = process
         self.journal = "journal.jsonl" if process is None else f"journal-{process}.jsonl"
         self.done: dict[str, dict] = {}
+        self.replaced: list[str] = []  # what --overwrite removed (top-level names)
         self._pending: list = []  # background fsync + rename + hash + journal, one per written file
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeshard-finish")
         self._lock = None
+        self._made_folder = False
 
     # -- life cycle ---------------------------------------------------------------------------
-    def __enter__(self) -> "OutputDir":
+    def check(self) -> None:
+        """Refuse, before anything is created or removed, an output that cannot be used: a file,
+        an artifact (without --overwrite), a non-empty folder, or (with --overwrite) one holding
+        anything a previous moeshard run did not make."""
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise MoeshardError(f"{out}: exists and is not a folder")
+        state = out / STATE_DIR
+        if self.resume and state.is_dir():
+            return
+        if is_artifact(out) and not self.overwrite:
+            raise MoeshardError(f"{out}: already a complete artifact; nothing to resume" if self.resume else
+                                f"{out}: already holds a moeshard artifact; pass --overwrite to replace it")
+        ours, foreign = previous_output(out)
+        if foreign:
+            more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+            raise MoeshardError(
+                f"{out}: holds {foreign[0]}{more}, not made by moeshard; --overwrite replaces only a previous "
+                "moeshard output: choose a new folder or move those files" if self.overwrite else
+                f"{out}: exists and is not empty; choose a new folder, pass --overwrite (replaces a previous moeshard "
+                "output), or --resume an interrupted conversion")
+        if any(p.name != LOCK_NAME for p in ours) and not self.overwrite:
+            raise MoeshardError(f"{out}: exists and is not empty; choose a new folder, pass --overwrite, or "
+                                "--resume an interrupted conversion")
+
+    def __enter__(self) -> OutputDir:
         if self.process:  # a follower: process 0 has locked and prepared the folder
             if self.resume:
                 self._load_journal(self.out / STATE_DIR)
             return self
+        self.check()
         out = self.out
-        if out.exists() and not out.is_dir():
-            raise MoeshardError(f"{out}: exists and is not a folder")
+        self._made_folder = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
-        self._lock = open(out / LOCK_NAME, "a")
+        lock = open(out / LOCK_NAME, "a")
         try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._lock.close()
-            self._lock = None
-            raise MoeshardError(f"{out}: another moeshard convert is writing this folder (lock {LOCK_NAME} is held)")
-        state = out / STATE_DIR
-        others = [p for p in out.iterdir() if p.name not in (LOCK_NAME, STATE_DIR)]
-        if self.resume and state.is_dir():
-            self._load_journal(state)
-        elif is_artifact(out) and not self.overwrite:
+            lock.close()
+            raise MoeshardError(f"{out}: another moeshard convert is writing this folder (lock {LOCK_NAME} is held)"
+                                ) from None
+        self._lock = lock
+        try:
+            self.check()  # again, under the lock: another run may have changed the folder meanwhile
+            state = out / STATE_DIR
+            if self.resume and state.is_dir():
+                self._load_journal(state)
+            else:
+                ours = [p for p in previous_output(out)[0] if p.name != LOCK_NAME]
+                (out / MANIFEST_NAME).unlink(missing_ok=True)  # first: no longer an artifact
+                remove(ours)
+                self.replaced = sorted(p.name for p in ours)
+            state.mkdir(exist_ok=True)
+            write_json(state / "fingerprint.json", self.fingerprint)
+            self._remove_tmp()
+        except BaseException:
             self._release()
-            raise MoeshardError(f"{out}: already holds a moeshard artifact; pass --overwrite to replace it"
-                                if not self.resume else f"{out}: already a complete artifact; nothing to resume")
-        elif (others or state.is_dir()) and not self.overwrite:
-            self._release()
-            raise MoeshardError(f"{out}: exists and is not empty; choose a new folder, pass --overwrite, or "
-                                "--resume an interrupted conversion")
-        else:
-            (out / MANIFEST_NAME).unlink(missing_ok=True)  # first: no longer an artifact
-            for p in others + ([state] if state.exists() else []):
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
-        state.mkdir(exist_ok=True)
-        write_json(state / "fingerprint.json", self.fingerprint)
-        self._remove_tmp()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -115,14 +201,20 @@ class OutputDir:
         self._release()
 
     def _release(self) -> None:
-        if self._lock is not None:
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            self._lock.close()
-            self._lock = None
+        """Drop the lock and its file; remove the folder too if this run made it and left it empty."""
+        if self._lock is None:
+            return
+        (self.out / LOCK_NAME).unlink(missing_ok=True)
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._lock.close()
+        self._lock = None
+        if self._made_folder and self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()
 
     def _remove_tmp(self) -> None:
         for p in self.out.rglob("*.tmp"):
-            p.unlink(missing_ok=True)
+            if not p.is_symlink():
+                p.unlink(missing_ok=True)
 
     def _load_journal(self, state: Path) -> None:
         try:
@@ -130,7 +222,6 @@ class OutputDir:
         except (OSError, json.JSONDecodeError):
             old = None
         if old != self.fingerprint:
-            self._release()
             raise MoeshardError(f"{self.out}: --resume: the interrupted conversion used other sources or arguments "
                                 f"({state / 'fingerprint.json'}); rerun with the same ones, or --overwrite")
         for journal in sorted(state.glob("journal*.jsonl")):
@@ -204,12 +295,12 @@ class OutputDir:
         """A file copied unchanged (config files), written and journaled like the others."""
         self.write(rel, lambda tmp: shutil.copyfile(src, tmp) and None)
 
-    def finish(self, manifest: dict) -> None:
-        """Write the manifest (last), then drop the journal and the lock file."""
+    def finish(self, manifest: dict, local: dict) -> None:
+        """Write the manifest (last), this machine's note (:data:`LOCAL_NAME`), then drop the journal."""
         write_json(self.out / MANIFEST_NAME, manifest)
         fsync_path(self.out / MANIFEST_NAME)
+        write_json(self.out / LOCAL_NAME, local)
         shutil.rmtree(self.out / STATE_DIR, ignore_errors=True)
-        (self.out / LOCK_NAME).unlink(missing_ok=True)
 
 
 def check_free_space(out: Path, needed: int) -> None:

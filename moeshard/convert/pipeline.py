@@ -7,22 +7,23 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from moeshard import __version__
 from moeshard.convert.distributed import Group
-from moeshard.convert.families import QuantFormat, detect, detect_config, read_experts
+from moeshard.convert.families import QuantFormat, check_sizes, detect, detect_config, read_experts
 from moeshard.convert.hub import HubSource, needed_files, needed_tensors, resolve
-from moeshard.convert.io import DTYPES, INDEX_NAME, index_doc, json_text, pread_into
-from moeshard.convert.manifest import SCHEMA_VERSION, is_artifact
+from moeshard.convert.io import DTYPES, INDEX_NAME, index_doc, pread_into
+from moeshard.convert.manifest import SCHEMA_VERSION
 from moeshard.convert.output import OutputDir, check_free_space
 from moeshard.convert.plan import PLACEMENT_ENGINES, OutFile, Plan, RankPlan, make_plan, rank_experts
-from moeshard.convert.source import Checkpoint, load_json
+from moeshard.convert.source import Checkpoint
 from moeshard.convert.writer import SequentialWriter
-from moeshard.errors import MoeshardError
+from moeshard.errors import Interrupted, MoeshardError
+from moeshard.files import json_text, load_json
 from moeshard.kernel import flashinfer_version
 from moeshard.layouts.canonical import CanonicalExperts, concat_experts, slice_intermediate
 from moeshard.layouts.trtllm import (
@@ -33,6 +34,7 @@ from moeshard.layouts.trtllm import (
     swiglu_oai_scalars,
     trtllm_tensor,
 )
+from moeshard.paths import hub_repo_root, overlaps
 
 #: progress(bytes_done_now, what): called as bytes are written; progress.total(n) once planned.
 Progress = Callable[[int, str], None]
@@ -44,8 +46,10 @@ class ConvertResult:
     manifest: dict
     seconds: float
     bytes_read: int
-    bytes_written: int
+    bytes_written: int  # by this run (reused files not counted)
     files_reused: int = 0
+    bytes_reused: int = 0
+    replaced: list[str] = field(default_factory=list)  # what --overwrite removed (top-level names)
 
 
 def expert_runs(experts) -> list[tuple[int, int]]:
@@ -301,6 +305,7 @@ def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1
     huggingface_hub takes them). ``ranks`` converts only those ranks (a repo id then fetches only
     the shards they need); ``common=False`` leaves out ``common/``.
     """
+    check_device(device)
     group = Group.from_env()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the other cores hash and write; idle OpenMP workers would spin on them
@@ -312,6 +317,7 @@ def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1
                 qc = load_json(meta / "hf_quant_config.json") if (meta / "hf_quant_config.json").is_file() else None
                 weight_map = load_json(meta / INDEX_NAME)["weight_map"]
                 adapter = detect_config(config, qc, f"{source}/config.json")
+                check_sizes(adapter, config, weight_map, f"{source}/config.json")
                 e = adapter.num_experts(config)
                 experts = {x for r in ranks for x in rank_experts(e, ep_size, tp_size, placement, r)}
                 return needed_files(weight_map, needed_tensors(weight_map, adapter, config, experts, common))
@@ -325,6 +331,23 @@ def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1
         group.close()
 
 
+def check_device(device: str) -> None:
+    """Refuse a device the conversion cannot run on, before anything is read or written."""
+    if device != "cpu" and not device.startswith("cuda"):
+        raise MoeshardError(f"--device {device}: expected cpu or cuda (cuda:N)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise MoeshardError(f"--device {device}: no CUDA GPU found (torch {torch.__version__}); use --device cpu")
+
+
+def check_output(out: Path, source: Path) -> None:
+    """Refuse an output folder that is, contains or lies inside the source (for a Hub snapshot, its
+    repo cache folder), once symlinks and ``..`` are resolved."""
+    protected = hub_repo_root(source) or source
+    if overlaps(out, protected):
+        raise MoeshardError(f"{out}: overlaps the source {protected} (it is, contains or lies inside it once links "
+                            "and '..' are resolved); choose an output folder outside the source")
+
+
 def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep_size, tp_size, placement,
              pad_multiple, max_shard_bytes, overwrite, resume, device, progress, dry_run, chunk_bytes, ranks,
              common) -> ConvertResult | Plan:
@@ -332,12 +355,9 @@ def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep
 
     if overwrite and resume:
         raise MoeshardError("--overwrite and --resume exclude each other")
-    if group.leader and out.exists() and not dry_run and not (overwrite or resume):
-        if is_artifact(out):
-            raise MoeshardError(f"{out}: already holds a moeshard artifact; pass --overwrite to replace it")
-        if not out.is_dir() or any(out.iterdir()):
-            raise MoeshardError(f"{out}: exists and is not empty; choose a new folder, pass --overwrite, or "
-                                "--resume an interrupted conversion")
+    check_output(out, source)
+    if group.leader and not dry_run:
+        OutputDir(out, {}, overwrite=overwrite, resume=resume).check()  # before anything is read or written
     t0 = time.perf_counter()
     with Checkpoint(source, partial=hub is not None and ranks is not None) as ckpt:
         adapter = detect(ckpt)
@@ -360,65 +380,86 @@ def _convert(group: Group, source: Path, hub: HubSource | None, out: Path, *, ep
                              + (sum(f.nbytes for f in plan.common) if common else 0))  # before anything is created
         # Every safetensors file to write, shared out over the processes.
         jobs = [(r, f) for r in chosen for f in r.files] + ([(None, f) for f in plan.common] if common else [])
-        mine = jobs[group.rank::group.world]
         od = OutputDir(out, _fingerprint(plan, ckpt, args), overwrite=overwrite, resume=resume,
                        process=group.rank if group.world > 1 else None)
-        with ExitStack() as stack:
-            if group.leader:
-                stack.enter_context(od)
-            group.barrier()  # the folder is locked and prepared
-            if not group.leader:
-                stack.enter_context(od)
-            error, records, reused = None, {}, {}
-            try:
-                reused = {f.path: rec for _, f in mine if (rec := od.reusable(f.path))}
-                if resume and group.leader:
-                    check_free_space(out, plan.total_bytes - sum(rec["bytes"] for rec in reused.values()))
-                scales: dict[int, tuple] = {}  # NVFP4 (a13, a2) per layer: read once, the same on every rank
-                if spec.quant_format is QuantFormat.NVFP4:
-                    scales = {layer: adapter.input_scales(ckpt, spec, layer) for layer in spec.moe_layers}
-                for r, f in mine:
-                    if f.path in reused:
-                        tick(f.nbytes, f"{f.path} (reused)")
-                    elif r is not None:
-                        od.write(f.path, lambda tmp, r=r, f=f: write_rank_file(
-                            plan, ckpt, adapter, r, f, tmp, device, scales, chunk_bytes, tick))
-                    else:
-                        od.write(f.path, lambda tmp, f=f: write_common_file(ckpt, f, tmp, chunk_bytes, tick))
-                records = od.records()
-            except Exception as e:  # noqa: BLE001 - every process must reach the gather below
-                if group.world == 1:
-                    raise
-                error = f"process {group.rank}: {e}"
-            results = group.gather((error, records, ckpt.bytes_read, len(reused)))
-            errors = [err for err, *_ in results if err]
-            if errors:
-                raise MoeshardError(errors[0])
-            files = {k: v for _, recs, *_ in results for k, v in recs.items()}
-            manifest = None
-            if group.leader:
-                for r in chosen:
-                    names = {t.name: Path(f.path).name for f in r.files for layer in f.layers
-                             for t in plan.layer_tensors(layer, len(r.experts))}
-                    od.write_text(f"{r.folder}/{INDEX_NAME}",
-                                  json_text(index_doc(names, sum(f.nbytes for f in r.files))))
-                if common:
-                    names = {n: Path(f.path).name for f in plan.common for n in f.sources}
-                    od.write_text(f"common/{INDEX_NAME}",
-                                  json_text(index_doc(names, sum(f.nbytes for f in plan.common))))
-                for name in plan.copied:
-                    od.copy(name, ckpt.root / name)
-                files.update(od.records())
-                source_info = {"path": str(ckpt.root.resolve()), "repo_id": None, "revision": None, "commit": None,
-                               "files": {n: {"bytes": (ckpt.root / n).stat().st_size} for n in ckpt.files}}
-                if hub is not None:
-                    source_info.update(hub.manifest_source(), files=hub.files)
-                manifest = build_manifest(plan, files, source_info, chosen, common)
-                od.finish(manifest)
-            group.barrier()  # followers return once the manifest is written
-    written = sum(f.nbytes for _, f in jobs)
-    return ConvertResult(out, manifest, time.perf_counter() - t0, sum(x[2] for x in results), written,
-                         sum(x[3] for x in results))
+        try:
+            manifest, results = _produce(group, plan, ckpt, adapter, od, chosen, jobs, common, resume, device,
+                                         chunk_bytes, tick, hub)
+        except KeyboardInterrupt:
+            n = len(od.done)
+            raise Interrupted(f"{out}: interrupted; kept {n} finished file{'s' * (n != 1)} and no manifest (not an "
+                              "artifact yet): run the same command with --resume to continue") from None
+    reused_bytes = sum(x[4] for x in results)
+    return ConvertResult(out, manifest, time.perf_counter() - t0, sum(x[2] for x in results),
+                         sum(f.nbytes for _, f in jobs) - reused_bytes, sum(x[3] for x in results), reused_bytes,
+                         od.replaced)
+
+
+def _produce(group: Group, plan: Plan, ckpt: Checkpoint, adapter, od: OutputDir, chosen: list[RankPlan],
+             jobs: list, common: bool, resume: bool, device: str, chunk_bytes: int, tick: Progress,
+             hub: HubSource | None) -> tuple[dict | None, list]:
+    """Write this process's files into ``od``, then (process 0) the indexes, copied files and the
+    manifest; every process's ``(error, records, bytes_read, files_reused, bytes_reused)``."""
+    spec, out = plan.spec, od.out
+    mine = jobs[group.rank::group.world]
+    with ExitStack() as stack:
+        if group.leader:
+            stack.enter_context(od)
+        group.barrier()  # the folder is locked and prepared
+        if not group.leader:
+            stack.enter_context(od)
+        error, records, reused = None, {}, {}
+        try:
+            reused = {f.path: rec for _, f in mine if (rec := od.reusable(f.path))}
+            if resume and group.leader:
+                check_free_space(out, plan.total_bytes - sum(rec["bytes"] for rec in reused.values()))
+            scales: dict[int, tuple] = {}  # NVFP4 (a13, a2) per layer: read once, the same on every rank
+            if spec.quant_format is QuantFormat.NVFP4:
+                scales = {layer: adapter.input_scales(ckpt, spec, layer) for layer in spec.moe_layers}
+            for r, f in mine:
+                if f.path in reused:
+                    tick(f.nbytes, f"{f.path} (reused)")
+                elif r is not None:
+                    od.write(f.path, lambda tmp, r=r, f=f: write_rank_file(
+                        plan, ckpt, adapter, r, f, tmp, device, scales, chunk_bytes, tick))
+                else:
+                    od.write(f.path, lambda tmp, f=f: write_common_file(ckpt, f, tmp, chunk_bytes, tick))
+            records = od.records()
+        except Exception as e:
+            if group.world == 1:
+                raise
+            error = f"process {group.rank}: {e}"
+        results = group.gather((error, records, ckpt.bytes_read, len(reused),
+                                sum(rec["bytes"] for rec in reused.values())))
+        errors = [err for err, *_ in results if err]
+        if errors:
+            raise MoeshardError(errors[0])
+        files = {k: v for _, recs, *_ in results for k, v in recs.items()}
+        manifest = None
+        if group.leader:
+            for r in chosen:
+                names = {t.name: Path(f.path).name for f in r.files for layer in f.layers
+                         for t in plan.layer_tensors(layer, len(r.experts))}
+                od.write_text(f"{r.folder}/{INDEX_NAME}",
+                              json_text(index_doc(names, sum(f.nbytes for f in r.files))))
+            if common:
+                names = {n: Path(f.path).name for f in plan.common for n in f.sources}
+                od.write_text(f"common/{INDEX_NAME}",
+                              json_text(index_doc(names, sum(f.nbytes for f in plan.common))))
+            for name in plan.copied:
+                od.copy(name, ckpt.file(name))
+            files.update(od.records())
+            # What the manifest says of the source: a Hub repo by id and commit, a local folder by
+            # its name only (the manifest is published by push); this machine's path goes to the
+            # local note, for validate.
+            source_info = {"name": ckpt.root.name, "repo_id": None, "revision": None, "commit": None,
+                           "files": {n: {"bytes": (ckpt.root / n).stat().st_size} for n in ckpt.files}}
+            if hub is not None:
+                source_info.update(hub.manifest_source(), name=hub.repo_id, files=hub.files)
+            manifest = build_manifest(plan, files, source_info, chosen, common)
+            od.finish(manifest, {"source": str(ckpt.root.resolve())})
+        group.barrier()  # followers return once the manifest is written
+    return manifest, results
 
 
 __all__ = ["ConvertResult", "convert", "kernel_scalars", "layer_scalars", "read_rank_experts"]

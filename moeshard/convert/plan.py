@@ -121,6 +121,16 @@ class Plan:
     def total_bytes(self) -> int:
         return sum(f.nbytes for r in self.ranks for f in r.files) + sum(f.nbytes for f in self.common)
 
+    def to_json(self) -> dict:
+        """What ``convert --dry-run --json`` prints: per rank its experts, slice and files."""
+        return {"ranks": [{"rank": r.rank, "ep_rank": r.ep_rank, "tp_rank": r.tp_rank, "experts": list(r.experts),
+                           "intermediate_slice": [r.i_start, r.i_stop],
+                           "files": [{"path": f.path, "layers": list(f.layers), "bytes": f.nbytes} for f in r.files]}
+                          for r in self.ranks],
+                "common_files": [{"path": f.path, "tensors": len(f.sources), "bytes": f.nbytes} for f in self.common],
+                "hidden_size_padded": self.hidden_size_padded,
+                "intermediate_size_padded": self.intermediate_size_padded, "bytes": self.total_bytes}
+
 
 def check_kernel_shapes(h_pad: int, i_pad: int, sf: int, where: str) -> None:
     """Refuse padded sizes the trtllm-gen layout cannot take without interleave padding."""
@@ -162,8 +172,9 @@ def tp_slices(spec: ModelSpec, tp_size: int) -> list[tuple[int, int]]:
 
 
 def _largest_valid_tp(spec: ModelSpec, tp_size: int, h_pad: int, pad_multiple: int) -> str:
-    """'largest valid --tp-size: T' (T <= tp_size), or that none works with this padding."""
-    for t in range(tp_size, 0, -1):
+    """'largest valid --tp-size: T' (T <= tp_size), or that none works with this padding. No T above
+    I / sf can give every rank a whole scale block, so at most I / sf sizes are tried."""
+    for t in range(min(tp_size, spec.intermediate_size // spec.quant_format.sf_vec_size), 0, -1):
         cuts = tp_slices(spec, t)
         if cuts:
             try:
@@ -200,7 +211,7 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, *, ep_size: int = 1, tp_size: i
         raise MoeshardError(f"--pad-multiple: expected a positive integer, found {pad_multiple}")
     sf = spec.quant_format.sf_vec_size
     h_pad = round_up(spec.hidden_size, pad_multiple)
-    cuts = tp_slices(spec, tp_size)
+    cuts = tp_slices(spec, tp_size) if tp_size <= spec.intermediate_size // sf else []
     if not cuts:
         raise MoeshardError(
             f"{cfg}: intermediate size {spec.intermediate_size} cannot be cut into --tp-size {tp_size} non-empty "
@@ -214,7 +225,7 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, *, ep_size: int = 1, tp_size: i
 
     local = e // ep_size
     plan = Plan(ckpt.root, spec, ep_size, tp_size, placement, pad_multiple, h_pad, i_pad, epilogue_tile_m,
-                (), (), tuple(f for f in COPIED_FILES if (ckpt.root / f).is_file()))
+                (), (), tuple(f for f in COPIED_FILES if ckpt.file(f).is_file()))
     layer_bytes = [sum(t.nbytes for t in plan.layer_tensors(layer, local)) for layer in spec.moe_layers]
     packs = pack_groups(layer_bytes, max_shard_bytes)
     ranks = []

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeshard.convert.manifest import read_manifest
-from moeshard.convert.verify import manifest_files
+from moeshard.convert.manifest import MANIFEST_NAME, artifact_file, manifest_files, read_manifest, source_label
 from moeshard.errors import MoeshardError
-
-#: Never uploaded: the lock, an unfinished conversion's journal, temporary files.
-IGNORE = [".moeshard.lock", ".moeshard-incomplete/**", "**/*.tmp", ".cache/**"]
 
 
 def model_card(m: dict, repo_id: str) -> str:
     """README.md of a pushed artifact: source, layout, ranks, how to load."""
     src = m["source"]
     origin = (f"[{src['repo_id']}](https://huggingface.co/{src['repo_id']}) at commit `{src['commit']}`"
-              if src.get("repo_id") else f"a local checkpoint (`{Path(src['path']).name}`)")
+              if src.get("repo_id") else f"a local checkpoint (`{src.get('name')}`)")
     pad = m["padding"]
     ranks = "\n".join(f"| {r['rank']} | {r['ep_rank']} | {r['tp_rank']} | {r['experts'][0]}..{r['experts'][-1]} "
                       f"({len(r['experts'])}) | {r['intermediate_slice'][0]}..{r['intermediate_slice'][1]} |"
@@ -66,33 +62,48 @@ against the source checkpoint).
 """
 
 
+def upload_list(out: Path, m: dict) -> list[tuple[str, Path]]:
+    """``(path in repo, local path)`` of every file the manifest lists, plus the manifest, each a
+    regular file inside the artifact (no symlink) of the size the manifest records."""
+    files = [(f["path"], f["bytes"]) for f in manifest_files(m)] + [(MANIFEST_NAME, None)]
+    out_list = []
+    for rel, size in files:
+        p = artifact_file(out, rel)
+        if p.is_symlink() or not p.is_file():
+            raise MoeshardError(f"{p}: expected a regular file of the artifact, found "
+                                f"{'a symlink' if p.is_symlink() else 'none'}; run moeshard verify")
+        if size is not None and p.stat().st_size != size:
+            raise MoeshardError(f"{p}: changed since the manifest: expected {size} bytes, found {p.stat().st_size}; "
+                                "run moeshard verify")
+        out_list.append((rel, p))
+    return out_list
+
+
 def push(out: Path, repo_id: str, *, revision: str | None = None, private: bool | None = None,
          token: str | None = None, commit_message: str | None = None):
-    """Upload artifact ``out`` to ``repo_id`` (created if needed) with a generated README.md.
+    """Upload artifact ``out`` to ``repo_id`` (created if needed): exactly the files its manifest
+    lists, the manifest, and a model card (README.md) made in memory, in one commit
+    (``HfApi.create_commit``; large files go through the Hub's LFS / xet upload).
 
-    Uses ``HfApi.upload_folder``, which in huggingface_hub 2.x commits large folders in several
-    batches (and resumes) when ``hf_xet`` is installed, and in one commit otherwise.
+    Nothing else in the folder is uploaded (no stray files, no symlinks) and nothing is written
+    into it. Files that are no longer what the manifest says (size, symlink) are refused first.
     """
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub import CommitOperationAdd, HfApi
 
-    from moeshard.convert.hub import _hub_error
+    from moeshard.convert.hub import hub_error, hub_errors
 
     out = Path(out)
     m = read_manifest(out)
-    for f in manifest_files(m):
-        p = out / f["path"]
-        if not p.is_file() or p.stat().st_size != f["bytes"]:
-            raise MoeshardError(f"{p}: missing or of the wrong size (expected {f['bytes']} bytes); run moeshard verify")
-    (out / "README.md").write_text(model_card(m, repo_id))
-    api = HfApi(token=token)
+    files = upload_list(out, m)
     src = m["source"]
+    ops = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(p)) for rel, p in files]
+    ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=model_card(m, repo_id).encode()))
+    api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        return api.upload_folder(repo_id=repo_id, folder_path=out, revision=revision, ignore_patterns=list(IGNORE),
-                                 commit_message=commit_message or f"moeshard {m['family']} artifact: {m['rank_count']} "
-                                 f"ranks (ep {m['ep_size']} x tp {m['tp_size']})",
-                                 commit_description=f"Converted from {src.get('repo_id') or src['path']}"
-                                 + (f" at {src['commit']}" if src.get("commit") else "") + " by moeshard.")
-    except (HfHubHTTPError, OSError) as e:
-        raise _hub_error(repo_id, e) from None
+        return api.create_commit(repo_id, operations=ops, revision=revision,
+                                 commit_message=commit_message or f"moeshard {m['family']} artifact: "
+                                 f"{m['rank_count']} ranks (ep {m['ep_size']} x tp {m['tp_size']})",
+                                 commit_description=f"Converted from {source_label(src)} by moeshard.")
+    except hub_errors() as e:
+        raise hub_error(repo_id, e) from None

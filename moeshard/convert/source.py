@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from moeshard.convert.io import DTYPES, INDEX_NAME, SINGLE_NAME, TensorInfo, read_header
+from moeshard.convert.manifest import MANIFEST_NAME
 from moeshard.errors import MoeshardError
-
-
-def load_json(path: Path) -> dict:
-    if not path.is_file():
-        raise MoeshardError(f"{path}: missing (expected a JSON file)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise MoeshardError(f"{path}: invalid JSON: {e}") from None
+from moeshard.files import load_json
+from moeshard.paths import inside
 
 
 class Checkpoint:
@@ -37,29 +30,41 @@ class Checkpoint:
         self.absent: set[str] = set()
         if not self.root.is_dir():
             raise MoeshardError(f"{self.root}: not a folder (expected a checkpoint folder or a Hub repo id)")
-        self.config = load_json(self.root / "config.json") if with_config else {}
-        qpath = self.root / "hf_quant_config.json"
+        if with_config and (self.root / MANIFEST_NAME).is_file():
+            raise MoeshardError(f"{self.root}: is a moeshard artifact, not a checkpoint: convert its source "
+                                "(moeshard inspect shows which)")
+        self.config = load_json(self.file("config.json")) if with_config else {}
+        qpath = self.file("hf_quant_config.json")
         self.quant_config = load_json(qpath) if with_config and qpath.is_file() else None
         self.tensors = self._read_headers()
         self._handles: dict[str, object] = {}
         self._fds: dict[str, int] = {}  # for prefetch
         self.bytes_read = 0  # tensor bytes returned by read(), for throughput reports
 
+    def file(self, rel: str, where: str | None = None) -> Path:
+        """The path of ``rel`` in the checkpoint, refusing names and symlinks that lead outside it
+        (:func:`moeshard.paths.inside`)."""
+        return inside(self.root, rel, where or str(self.root), "file")
+
     def _read_headers(self) -> dict[str, TensorInfo]:
-        index = self.root / INDEX_NAME
+        index = self.file(INDEX_NAME)
         if index.is_file():
             weight_map = load_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise MoeshardError(f"{index}: expected a non-empty 'weight_map', found {type(weight_map).__name__}")
             files = sorted(set(weight_map.values()))
-        elif (self.root / SINGLE_NAME).is_file():
+            for name in files:  # every name is checked before any file is opened
+                if not isinstance(name, str):
+                    raise MoeshardError(f"{index}: weight_map: expected file names, found {name!r}")
+                self.file(name, f"{index}: weight_map")
+        elif self.file(SINGLE_NAME).is_file():
             weight_map, files = None, [SINGLE_NAME]
         else:
             raise MoeshardError(f"{self.root}: no {INDEX_NAME} and no {SINGLE_NAME}")
         tensors: dict[str, TensorInfo] = {}
         missing = set()
         for name in files:
-            path = self.root / name
+            path = self.file(name)
             if not path.is_file():
                 if self.partial:
                     missing.add(name)
@@ -154,7 +159,7 @@ class Checkpoint:
             os.close(fd)
         self._fds.clear()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,12 +1,13 @@
-"""``moeshard verify``: re-hash every file of an artifact against its manifest."""
+"""``moeshard verify``: re-hash every file of an artifact against its manifest. Torch-free."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moeshard.convert.io import sha256_file
-from moeshard.convert.manifest import read_manifest
+from moeshard.convert.manifest import artifact_file, manifest_files, read_manifest
+from moeshard.errors import MoeshardError
+from moeshard.files import sha256_file
 
 
 @dataclass
@@ -17,20 +18,19 @@ class FileCheck:
     problem: str = ""
 
 
-def manifest_files(m: dict) -> list[dict]:
-    """Every file the manifest lists: rank files and indexes, common files and index, copied files."""
-    common = m["common"]["files"] + [m["common"]["index"]] if m["common"] else []
-    return [f for r in m["ranks"] for f in r["files"] + [r["index"]]] + common + m["copied"]
-
-
 def verify(out: Path, progress=None) -> list[FileCheck]:
-    """One check per manifest file: its first problem (missing, size, sha256), or ok."""
+    """One check per manifest file: its first problem (outside the artifact, missing, size,
+    sha256), or ok."""
     out = Path(out)
     m = read_manifest(out)
     tick = progress or (lambda n, what: None)
     checks = []
     for f in manifest_files(m):
-        path = out / f["path"]
+        try:
+            path = artifact_file(out, f["path"])
+        except MoeshardError as e:
+            checks.append(FileCheck(f["path"], f["bytes"], False, str(e).split(": ", 1)[1]))
+            continue
         if not path.is_file():
             checks.append(FileCheck(f["path"], f["bytes"], False, "missing"))
         elif (size := path.stat().st_size) != f["bytes"]:

@@ -162,7 +162,7 @@ class SequentialWriter:
     def _flush(self, final: bool = False) -> None:
         """Hand the current buffer's aligned prefix (all of it when ``final``) to the threads and
         carry its unaligned tail over to the next buffer."""
-        for _, w, h in self._inflight:  # raise a failed write now, not at the end
+        for _, w, _ in self._inflight:  # raise a failed write now, not at the end
             if w.done() and w.exception():
                 raise w.exception()
         n = -(-self._fill // ALIGN) * ALIGN if final else self._fill // ALIGN * ALIGN

@@ -57,7 +57,7 @@ class CanonicalExperts:
     def sf_vec_size(self) -> int:
         return 2 * self.w13.shape[2] // self.w13_scale.shape[2]
 
-    def replace(self, **changes) -> "CanonicalExperts":
+    def replace(self, **changes) -> CanonicalExperts:
         return dataclasses.replace(self, **changes)
 
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import torch
 
 from moeshard.convert.families import QuantFormat, detect, read_experts
-from moeshard.convert.manifest import read_manifest
-from moeshard.convert.pipeline import kernel_scalars, read_rank_experts
+from moeshard.convert.manifest import LOCAL_NAME, artifact_file, read_manifest, source_label
+from moeshard.convert.pipeline import Progress, kernel_scalars, read_rank_experts
 from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
+from moeshard.files import load_json
 from moeshard.layouts.canonical import CanonicalExperts
 from moeshard.layouts.trtllm import from_trtllm, to_trtllm_padded
 from moeshard.quant import dequantize_mxfp4, dequantize_nvfp4
@@ -124,9 +125,28 @@ def _diagnose(kt: dict[str, torch.Tensor], want: dict[str, torch.Tensor], expert
     return ", ".join(bad)
 
 
+def source_folder(out: Path, m: dict) -> Path:
+    """The artifact's source checkpoint on this machine: the folder the conversion noted locally
+    (:data:`LOCAL_NAME`), or, for a Hub source, its snapshot in the local Hub cache."""
+    note = out / LOCAL_NAME
+    if note.is_file():
+        path = load_json(note).get("source")
+        if isinstance(path, str) and Path(path).is_dir():
+            return Path(path)
+    src = m["source"]
+    if src.get("repo_id") and src.get("commit"):
+        from huggingface_hub import constants
+
+        snap = (Path(constants.HF_HUB_CACHE) / f"models--{src['repo_id'].replace('/', '--')}" / "snapshots"
+                / str(src["commit"]))
+        if snap.is_dir():
+            return snap
+    raise MoeshardError(f"{out}: its source ({source_label(src)}) is not on this machine; pass --source FOLDER")
+
+
 def validate(out: Path, *, source: Path | None = None, layers: list[int] | None = None,
              ranks: list[int] | None = None, tokens: int = 32, seed: int = 0, backend: str = "auto",
-             device: str = "cpu", progress: Callable[[str], None] | None = None) -> ValidationReport:
+             device: str = "cpu", progress: Progress | None = None) -> ValidationReport:
     """Compare every chosen (rank, layer) of artifact ``out`` with the source checkpoint.
 
     Per layer, hidden states ``[tokens, H]`` float32 are drawn from ``seed + layer`` and routed
@@ -143,7 +163,9 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
     """
     out = Path(out)
     m = read_manifest(out)
-    src = Path(source) if source is not None else Path(m["source"]["path"])
+    if tokens < 1:
+        raise MoeshardError(f"--tokens: expected a positive integer, found {tokens}")
+    src = Path(source) if source is not None else source_folder(out, m)
     backend, note = select_backend(backend, device)
     tol = TOLERANCE[backend]
     report = ValidationReport(str(out), str(src), backend, device, tokens, seed, tol, [note] if note else [])
@@ -160,10 +182,14 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
     if backend == "trtllm-gen" and m["placement"] != "contiguous":
         raise MoeshardError(f"{out}: placement {m['placement']}: FlashInfer's from-logits trtllm-gen kernel needs each "
                             "rank's experts contiguous; use --backend decode")
-    tick = progress or (lambda what: None)
+    tick = progress or (lambda n, what: None)
+    if hasattr(tick, "total"):
+        tick.total(len(layers) * len(ranks))
+    rank_folder = {r["rank"]: artifact_file(out, r["folder"]) for r in m["ranks"]}
 
     with Checkpoint(src, partial=True) as ckpt, \
-            Checkpoint(out / "common" if m["common"] else src, with_config=False, partial=True) as common:
+            Checkpoint(artifact_file(out, m["common"]["folder"]) if m["common"] else src, with_config=False,
+                       partial=True) as common:
         adapter = detect(ckpt)
         spec = adapter.spec(ckpt)
         if spec.family.value != m["family"]:
@@ -190,10 +216,9 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                 info = rank_info[r]
                 experts, n = info["experts"], info["local_num_experts"]
                 where = f"{info['folder']}: {entry['prefix']}"
-                tick(f"rank {r} layer {layer}")
                 ref = _to(read_rank_experts(adapter, ckpt, spec, layer, experts, *info["intermediate_slice"],
                                             info["tp_rank"]), device)
-                with Checkpoint(out / info["folder"], with_config=False) as rf:
+                with Checkpoint(rank_folder[r], with_config=False) as rf:
                     names = [k for k in rf.tensors if k.startswith(entry["prefix"] + ".")]
                     if not names:
                         raise MoeshardError(f"{rf.root}: no tensors under {entry['prefix']}")
@@ -215,7 +240,7 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                     leaks = _padding_leaks(art, h, b - a, info["tp_rank"])
                     src_fn, art_fn = expert_fn(ref, fmt, device), expert_fn(art, fmt, device)
                     ones = torch.ones(tokens, 1, device=device)
-                    for e, ge in enumerate(experts):  # each expert alone, on every token
+                    for ge in experts:  # each expert alone, on every token
                         one = torch.full((tokens, 1), ge, device=device, dtype=torch.long)
                         want_e = moe_forward(x, src_fn, experts, one, ones, spec.activation)
                         got_e = moe_forward(x_pad, art_fn, experts, one, ones, act)[:, :h]
@@ -240,8 +265,8 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                     detail = f"{where}: {what}" + (f"; differs from the converted source: {bad}" if bad else "")
                 report.rows.append(Row(r, layer, backend, max_abs, rel, ok, detail, None if ok else worst[2]))
                 sum_got += got
+                tick(1, f"rank {r} layer {layer}")
             if sorted(ranks) == all_ranks and len(all_ranks) == m["rank_count"] > 1:
-                tick(f"all experts layer {layer}")
                 full = _to(read_experts(adapter, ckpt, spec, layer, 0, spec.num_experts), device)
                 want = moe_forward(x_ref, expert_fn(full, fmt, device), range(spec.num_experts), ids, weights,
                                    spec.activation, on_input)

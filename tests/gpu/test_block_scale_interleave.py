@@ -43,9 +43,9 @@ def test_cpu_interleave_equals_flashinfer_cuda(name):
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_tiny_artifact_equals_vllm_with_cuda_interleave(gpt_oss_tiny, gpt_oss_artifacts, ep_size):
     """The whole vLLM preparation with FlashInfer's CUDA interleave, against the converted ranks."""
+    from _reference import vllm_gpt_oss_trtllm
     from flashinfer import block_scale_interleave
 
-    from _reference import vllm_gpt_oss_trtllm
     from moeshard.convert.manifest import read_manifest
     from moeshard.convert.source import Checkpoint
 
