@@ -37,12 +37,9 @@ CASES = {
 
 LOOP = r'''
 import sys, time, torch
-sys.path.insert(0, sys.argv[2])
-from _reference import vllm_gpt_oss_trtllm, vllm_nvfp4_trtllm
-from moeshard.convert.families import detect, read_experts
-from moeshard.convert.source import Checkpoint
-from moeshard.layouts.scales import interleave_scales_128x4
-per_expert = lambda s: interleave_scales_128x4(s[None]).flatten()
+from moeshard.checkpoints.families import detect, read_experts
+from moeshard.checkpoints.source import Checkpoint
+from moeshard.validate.engines import engine_interleave as per_expert, vllm_gpt_oss_trtllm, vllm_nvfp4_trtllm
 with Checkpoint(sys.argv[1]) as ck:
     a = detect(ck); spec = a.spec(ck)
     for layer in spec.moe_layers:
@@ -130,7 +127,7 @@ def main() -> None:
                                       "--ep-size", "8", "--json"], env))
             shutil.rmtree(a.work / "out")
             drop_caches()
-            runs["loop"].append(sample([sys.executable, "-c", LOOP, str(src), str(ROOT / "tests")], env))
+            runs["loop"].append(sample([sys.executable, "-c", LOOP, str(src)], env))
         cp, ms, loop = (median(runs[k]) for k in ("cp", "ms", "loop"))
         written = json.loads(ms["stdout"])["bytes_written"]
         expert_bytes = int(loop["stdout"].split()[-1])

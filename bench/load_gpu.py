@@ -18,15 +18,15 @@ import time
 from pathlib import Path
 
 import torch
-from _common import cuda_block_scale_interleave, report
-from _reference import vllm_gpt_oss_trtllm
+from _common import report
 from transform_gpu import LEAVES
 
 import moeshard
-from moeshard.convert.manifest import read_manifest
+from moeshard.artifact.manifest import read_manifest
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.convert.pipeline import convert
-from moeshard.convert.source import Checkpoint
 from moeshard.fixtures import fixture
+from moeshard.validate.engines import engine_interleave, vllm_gpt_oss_trtllm
 
 RANK, EP = 3, 8
 
@@ -49,7 +49,7 @@ def engines_today(src: Path, experts: list[int], cache: dict) -> tuple[float, in
         for layer in range(ck.config["num_hidden_layers"]):
             p = f"model.layers.{layer}.mlp.experts"
             raw = [ck.read(f"{p}.{leaf}", e0, e1).cuda() for leaf in LEAVES]
-            vllm_gpt_oss_trtllm(*raw, 3072, 3072, interleave=cuda_block_scale_interleave, cache=cache)
+            vllm_gpt_oss_trtllm(*raw, 3072, 3072, interleave=engine_interleave, cache=cache)
         nbytes = ck.bytes_read
     torch.cuda.synchronize()
     return time.perf_counter() - t0, nbytes

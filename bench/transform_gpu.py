@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 import torch
-from _common import cuda_block_scale_interleave, report
-from _reference import vllm_gpt_oss_trtllm
+from _common import report
 
-from moeshard.convert.families import detect, read_experts
-from moeshard.convert.source import Checkpoint
+from moeshard.checkpoints.families import detect, read_experts
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.layouts import trtllm
 from moeshard.layouts.canonical import pad_experts
+from moeshard.validate.engines import engine_interleave, vllm_gpt_oss_trtllm
 
 LEAVES = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks", "down_proj_scales",
           "down_proj_bias")
@@ -69,7 +69,7 @@ def main() -> None:
     s_cold, s_warm, direct = timed(lambda: {k: trtllm.trtllm_tensor(k, src, rows, hp, ip, 32)
                                             for k, (src, rows) in fields.items()}, a.repeats)
     cache: dict = {}  # the engines' index cache, kept across calls as vLLM keeps it per layer
-    v_cold, v_warm, theirs = timed(lambda: vllm_gpt_oss_trtllm(*raw, hp, ip, interleave=cuda_block_scale_interleave,
+    v_cold, v_warm, theirs = timed(lambda: vllm_gpt_oss_trtllm(*raw, hp, ip, interleave=engine_interleave,
                                                                cache=cache), a.repeats)
     same = all(torch.equal(t.view(torch.uint8).flatten(), theirs[k].view(torch.uint8).flatten())
                for res in (ours, fused, direct) for k, t in res.items())

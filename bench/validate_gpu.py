@@ -40,13 +40,13 @@ def main() -> None:
             fixture(family, preset, src, layers=layers)
         t_fix = time.perf_counter() - t0
         res = convert(src, out, ep_size=8, overwrite=True)
-        layer = res.manifest["moe_layers"][0]["layer"]
+        layer = res.manifest.moe_layers[0].layer
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         result = validate(out, layers=[layer], tokens=a.tokens, backend="decode", device="cuda")
         torch.cuda.synchronize()
         t_val = time.perf_counter() - t0
-        rows.append({"case": name, "experts": res.manifest["num_experts"], "ranks": 8, "tokens": a.tokens,
+        rows.append({"case": name, "experts": res.manifest.num_experts, "ranks": 8, "tokens": a.tokens,
                      "fixture_s": round(t_fix, 2), "convert_s": round(res.seconds, 2),
                      "validate_s": round(t_val, 2), "passed": result.passed,
                      "max_rel_error": max(r.rel_error for r in result.rows),

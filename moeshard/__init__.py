@@ -11,7 +11,7 @@ __all__ = ["MoeshardError", "__version__", "load_rank"]
 
 
 def load_rank(*args, **kwargs):
-    """See :func:`moeshard.load.load_rank` (imported lazily: torch loads only when used)."""
-    from moeshard.load import load_rank as _load_rank
+    """See :func:`moeshard.artifact.load.load_rank` (imported lazily: torch loads only when used)."""
+    from moeshard.artifact.load import load_rank as _load_rank
 
     return _load_rank(*args, **kwargs)

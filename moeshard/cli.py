@@ -1,5 +1,8 @@
 """The ``moeshard`` command: a thin typer app over the library.
 
+(Over 300 lines because every command's options and help texts are declared here; the logic is
+in the stage folders.)
+
 Each command parses its options, calls one library function and prints. Results (paths,
 reports, ``--json``) go to stdout; progress, logs and hints to stderr. Heavy imports (torch,
 flashinfer) happen inside the commands, so ``--help`` is instant, and ``verify``, ``push`` and
@@ -208,8 +211,8 @@ def convert(
         return
     m = res.manifest
     rate = res.bytes_written / res.seconds if res.seconds > 0 else 0.0
-    summary = {"output": str(res.out), "family": m["family"], "ranks": len(m["ranks"]), "ep_size": m["ep_size"],
-               "tp_size": m["tp_size"], "placement": m["placement"], "moe_layers": len(m["moe_layers"]),
+    summary = {"output": str(res.out), "family": m.family, "ranks": len(m.ranks), "ep_size": m.ep_size,
+               "tp_size": m.tp_size, "placement": m.placement, "moe_layers": len(m.moe_layers),
                "bytes_read": res.bytes_read, "bytes_written": res.bytes_written, "bytes_reused": res.bytes_reused,
                "files_reused": res.files_reused, "replaced": res.replaced, "seconds": round(res.seconds, 3),
                "throughput_gb_s": round(rate / 1e9, 3)}
@@ -219,8 +222,8 @@ def convert(
     if res.replaced:
         err_console.print(f"replaced the previous moeshard output in {res.out}: {', '.join(res.replaced)}",
                           markup=False)
-    err_console.print(f"converted {m['family']} ({plural(len(m['moe_layers']), 'MoE layer')}, "
-                      f"{plural(m['num_experts'], 'expert')}) into {plural(len(m['ranks']), 'rank')}: wrote "
+    err_console.print(f"converted {m.family} ({plural(len(m.moe_layers), 'MoE layer')}, "
+                      f"{plural(m.num_experts, 'expert')}) into {plural(len(m.ranks), 'rank')}: wrote "
                       f"{fmt_bytes(res.bytes_written)} in {res.seconds:.2f} s ({fmt_bytes(rate)}/s)"
                       + (f"; reused {plural(res.files_reused, 'finished file')} ({fmt_bytes(res.bytes_reused)})"
                          if res.files_reused else ""), markup=False)
@@ -306,8 +309,8 @@ def verify(
     quiet: QuietOpt = False,
 ) -> None:
     """Re-hash every file against the manifest (sha256); exit 1 on any problem."""
-    from moeshard.convert.verify import as_json as to_json
-    from moeshard.convert.verify import verify as run
+    from moeshard.artifact.verify import as_json as to_json
+    from moeshard.artifact.verify import verify as run
 
     ctx, tick = _progress(not (as_json or quiet), description="verifying", in_bytes=True)
     with ctx:
@@ -335,7 +338,7 @@ def push(
     as_json: JsonOpt = False,
 ) -> None:
     """Upload the files the manifest lists, with a generated model card, in one commit."""
-    from moeshard.convert.push import push as run
+    from moeshard.artifact.push import push as run
 
     info = run(artifact, repo_id, revision=revision, private=private, token=token)
     url = getattr(info, "commit_url", None) or str(info)
@@ -409,9 +412,9 @@ def demo(
     if as_json:
         out_console.print_json(json.dumps({"inspect": inspect_path(res.out), "validate": report.to_json()}))
     else:
-        err_console.print(f"1. fixture: tiny {family} checkpoint ({res.manifest['quant_format']}) in {d.source}",
+        err_console.print(f"1. fixture: tiny {family} checkpoint ({res.manifest.quant_format}) in {d.source}",
                           markup=False)
-        err_console.print(f"2. convert: {plural(len(res.manifest['ranks']), 'rank')} in {res.out} "
+        err_console.print(f"2. convert: {plural(len(res.manifest.ranks), 'rank')} in {res.out} "
                           f"({fmt_bytes(res.bytes_written)}, {res.seconds:.2f} s)", markup=False)
         err_console.print("3. validate:")
         _print_report(report, False)

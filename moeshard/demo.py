@@ -27,7 +27,7 @@ def _files(folder: Path) -> list[str]:
 def clear_previous(out: Path) -> None:
     """Remove a previous demo's ``source/`` and ``artifact/`` from ``out``, refusing (before removing
     anything) a folder that holds anything else, or files the demo did not write."""
-    from moeshard.convert.output import previous_output, remove
+    from moeshard.artifact.output import previous_output, remove
 
     if not out.exists():
         return

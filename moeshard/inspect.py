@@ -8,37 +8,38 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeshard.convert.manifest import is_artifact, read_manifest, source_label
+from moeshard.artifact.manifest import Manifest, is_artifact
 
 
 def _artifact(path: Path) -> dict:
-    m = read_manifest(path)
-    first = m["moe_layers"][0]
+    from dataclasses import asdict
+
+    m = Manifest.read(path)
     return {
         "kind": "artifact",
         "path": str(path),
-        "family": m["family"],
-        "quant_format": m["quant_format"],
-        "layout": m["layout"],
-        "padding": m["padding"],
-        "num_experts": m["num_experts"],
-        "moe_layers": len(m["moe_layers"]),
-        "ep_size": m["ep_size"],
-        "tp_size": m["tp_size"],
-        "placement": m["placement"],
-        "source": source_label(m["source"]),
-        "kernel_args": first["kernel_args"],
-        "ranks": [{"rank": r["rank"], "ep_rank": r["ep_rank"], "tp_rank": r["tp_rank"], "experts": r["experts"],
-                   "local_expert_offset": r["local_expert_offset"], "intermediate_slice": r["intermediate_slice"],
-                   "files": len(r["files"]), "bytes": sum(f["bytes"] for f in r["files"])} for r in m["ranks"]],
-        "common_bytes": sum(f["bytes"] for f in m["common"]["files"]) if m["common"] else None,
-        "rank_count": m["rank_count"],
+        "family": m.family,
+        "quant_format": m.quant_format,
+        "layout": asdict(m.layout),
+        "padding": asdict(m.padding),
+        "num_experts": m.num_experts,
+        "moe_layers": len(m.moe_layers),
+        "ep_size": m.ep_size,
+        "tp_size": m.tp_size,
+        "placement": m.placement,
+        "source": m.source.label(),
+        "kernel_args": m.moe_layers[0].kernel_args,
+        "ranks": [{"rank": r.rank, "ep_rank": r.ep_rank, "tp_rank": r.tp_rank, "experts": list(r.experts),
+                   "local_expert_offset": r.local_expert_offset, "intermediate_slice": list(r.intermediate_slice),
+                   "files": len(r.files), "bytes": sum(f.bytes for f in r.files)} for r in m.ranks],
+        "common_bytes": sum(f.bytes for f in m.common.files) if m.common else None,
+        "rank_count": m.rank_count,
     }
 
 
 def _checkpoint(path: Path) -> dict:
-    from moeshard.convert.families import detect
-    from moeshard.convert.source import Checkpoint
+    from moeshard.checkpoints.families import detect, expert_index
+    from moeshard.checkpoints.source import Checkpoint
 
     with Checkpoint(path) as ckpt:
         adapter = detect(ckpt)
@@ -47,8 +48,7 @@ def _checkpoint(path: Path) -> dict:
         prefix = spec.prefix(layer)
         # Per-expert families (DeepSeek) list expert 0 only.
         experts = {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(ckpt.tensors.items())
-                   if n in spec.expert_tensors and n.startswith(prefix)
-                   and not n[len(prefix) + 1:].split(".")[0].isdigit() or n.startswith(prefix + ".0.")}
+                   if n in spec.expert_tensors and n.startswith(prefix + ".") and expert_index(n, prefix) in (None, 0)}
         return {
             "kind": "checkpoint",
             "path": str(path),
@@ -69,7 +69,7 @@ def _checkpoint(path: Path) -> dict:
 
 def inspect_path(path: Path | str) -> dict:
     """Summary of a checkpoint folder, a Hub repo id, or an artifact (it has moeshard.json)."""
-    from moeshard.convert.hub import looks_like_repo_id, resolve
+    from moeshard.checkpoints.hub import looks_like_repo_id, resolve
     from moeshard.errors import MoeshardError
 
     if looks_like_repo_id(str(path)):
@@ -79,7 +79,7 @@ def inspect_path(path: Path | str) -> dict:
         return _artifact(path)
     if not path.exists():
         raise MoeshardError(f"{path}: does not exist (expected a checkpoint folder, a Hub repo id or an artifact)")
-    from moeshard.convert.output import STATE_DIR
+    from moeshard.artifact.output import STATE_DIR
 
     if (path / STATE_DIR).exists() or (path / "rank-00000").is_dir():
         raise MoeshardError(f"{path}: not a moeshard artifact: moeshard.json is missing (an interrupted or unfinished "

@@ -8,8 +8,8 @@ import torch
 from _reference import vllm_gpt_oss_trtllm
 from safetensors import safe_open
 
-from moeshard.convert.manifest import read_manifest
-from moeshard.convert.source import Checkpoint
+from moeshard.artifact.manifest import read_manifest
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.layouts.trtllm import from_trtllm
 
 LEAVES = ("gemm1_weights", "gemm1_weights_scale", "gemm1_bias", "gemm2_weights", "gemm2_weights_scale", "gemm2_bias")

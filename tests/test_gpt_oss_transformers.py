@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeshard.convert.manifest import read_manifest
-from moeshard.convert.source import Checkpoint
+from moeshard.artifact.manifest import read_manifest
+from moeshard.checkpoints.formats.fp4 import dequantize_mxfp4
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.layouts.trtllm import from_trtllm
-from moeshard.quant import dequantize_mxfp4
 from moeshard.validate.moe import moe_forward
 
 transformers = pytest.importorskip("transformers")

@@ -15,9 +15,9 @@ import huggingface_hub.constants
 import pytest
 from test_reliability import tree_bytes
 
-from moeshard.convert.families import detect_config
-from moeshard.convert.hub import ALLOW_PATTERNS, needed_files, needed_tensors
-from moeshard.convert.manifest import LOCAL_NAME, read_manifest
+from moeshard.artifact.manifest import LOCAL_NAME, read_manifest
+from moeshard.checkpoints.families import detect_config, needed_tensors
+from moeshard.checkpoints.hub import ALLOW_PATTERNS, needed_files
 from moeshard.convert.pipeline import convert
 from moeshard.errors import MoeshardError
 from moeshard.validate import validate
@@ -117,7 +117,7 @@ def test_rank_only_selection_on_deepseek_layout():
     wm, cfg = _deepseek_index()
     adapter = detect_config(cfg, {"quantization": {"quant_algo": "NVFP4"}}, "config.json")
     experts = set(range(96, 128))  # EP 8, rank 3
-    names = needed_tensors(wm, adapter, cfg, experts, common=False)
+    names = needed_tensors(adapter, cfg, wm, experts, common=False)
     assert all(".experts." not in n or int(n.split(".experts.")[1].split(".")[0]) in experts
                or n.endswith("input_scale") for n in names)
     assert "model.layers.3.mlp.gate.weight" in names and "model.embed_tokens.weight" not in names
@@ -126,7 +126,7 @@ def test_rank_only_selection_on_deepseek_layout():
     everything = needed_files(wm, set(wm))
     assert len(own) <= len(everything) // 2  # its weights: 2 of 8 layers-worth of shards, plus boundaries
     assert set(needed_files(wm, names)) <= set(everything)
-    with_common = needed_tensors(wm, adapter, cfg, experts, common=True)
+    with_common = needed_tensors(adapter, cfg, wm, experts, common=True)
     assert "model.embed_tokens.weight" in with_common and "model.layers.3.self_attn.o_proj.weight" in with_common
 
 
@@ -138,7 +138,7 @@ def test_rank_only_run_downloads_only_what_it_needs(request, tmp_path, offline, 
     qcfg = json.loads((src / "hf_quant_config.json").read_text()) if (src / "hf_quant_config.json").exists() else None
     adapter = detect_config(cfg, qcfg, "config.json")
     e = adapter.num_experts(cfg)
-    needed = set(needed_files(index, needed_tensors(index, adapter, cfg, set(range(rank * e // ep, (rank + 1) * e // ep)),
+    needed = set(needed_files(index, needed_tensors(adapter, cfg, index, set(range(rank * e // ep, (rank + 1) * e // ep)),
                                                     False)))
     # The cache holds the metadata and only the needed shards: anything else would fail the run.
     hub_cache(tmp_path / "hub", "org/model", src, keep=lambda n: not n.endswith(".safetensors") or n in needed)
@@ -177,14 +177,13 @@ def test_push_makes_one_commit_with_every_file_and_a_model_card(tmp_path, artifa
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "create_commit", create_commit)
     monkeypatch.setattr("huggingface_hub.hf_api.is_xet_available", lambda: False)
-    from moeshard.convert.manifest import manifest_files
-    from moeshard.convert.push import push
+    from moeshard.artifact.manifest import Manifest
+    from moeshard.artifact.push import push
 
     info = push(out, "me/ds-tiny-ep2")
-    m = read_manifest(out)
     repo_id, paths, message, kw = made["commit"]
     assert repo_id == "me/ds-tiny-ep2" and info.oid == "abc"
-    assert paths == sorted([f["path"] for f in manifest_files(m)] + ["moeshard.json", "README.md"])
+    assert paths == sorted([f.path for f in Manifest.read(out).files()] + ["moeshard.json", "README.md"])
     assert message == "moeshard deepseek artifact: 2 ranks (ep 2 x tp 1)"
     card = made["card"].decode()
     assert not (out / "README.md").exists()  # made in memory, never written into the artifact

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moeshard.convert.io import DTYPES, pack_groups, read_header, shard_names, write_safetensors
+from moeshard.checkpoints.safetensors_io import DTYPES, pack_groups, read_header, shard_names, write_safetensors
 from moeshard.errors import MoeshardError
 
 
@@ -52,7 +52,7 @@ def test_sequential_writer_in_file_order_with_its_hash(tmp_path, monkeypatch, di
     the file reads back with safetensors and the returned hash is the file's."""
     import hashlib
 
-    from moeshard.convert import writer as wmod
+    from moeshard.artifact import writer as wmod
 
     monkeypatch.setattr(wmod, "BUFFER_BYTES", 3 * wmod.ALIGN)  # many flushes, tails carried over
     for seed in range(2):  # the second file reuses the first one's staging buffers
@@ -87,7 +87,7 @@ def test_sequential_writer_falls_back_where_o_direct_is_refused(tmp_path, monkey
     import hashlib
     import os
 
-    from moeshard.convert import writer as wmod
+    from moeshard.artifact import writer as wmod
 
     real_open, real_pwrite = os.open, os.pwrite
     state = {"direct_fds": set()}
@@ -117,7 +117,7 @@ def test_sequential_writer_falls_back_where_o_direct_is_refused(tmp_path, monkey
 
 
 def test_sequential_writer_refuses_an_incomplete_file(tmp_path):
-    from moeshard.convert.writer import SequentialWriter
+    from moeshard.artifact.writer import SequentialWriter
 
     w = SequentialWriter(tmp_path / "s.safetensors", [("a", "U8", (4, 6))])
     w.take("a", 12).zero_()

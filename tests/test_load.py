@@ -12,7 +12,7 @@ from safetensors import safe_open
 from test_trtllm_args import launcher_checks
 
 import moeshard
-from moeshard.convert.manifest import read_manifest
+from moeshard.artifact.manifest import read_manifest
 from moeshard.errors import MoeshardError
 
 FAMILIES = ["gpt_oss_tiny", "deepseek_tiny", "llama4_tiny"]

@@ -10,10 +10,10 @@ import pytest
 import torch
 from _reference import dequant_nvfp4_ref, pad_2d, pad_w13, vllm_nvfp4_trtllm
 
-from moeshard.convert.families import QuantFormat
-from moeshard.convert.manifest import read_manifest
+from moeshard.artifact.manifest import read_manifest
+from moeshard.checkpoints.formats import QuantFormat
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.convert.pipeline import convert
-from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.layouts.trtllm import from_trtllm
 from moeshard.validate.moe import moe_forward

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from moeshard.quant import dequantize_mxfp4, dequantize_nvfp4, quantize_e2m1, quantize_mxfp4, quantize_nvfp4, unpack_fp4
+from moeshard.checkpoints.formats.fp4 import (
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    quantize_e2m1,
+    quantize_mxfp4,
+    quantize_nvfp4,
+    unpack_fp4,
+)
 
 
 def test_e2m1_rounds_to_nearest_even():

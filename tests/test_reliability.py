@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from moeshard.artifact.manifest import MANIFEST_NAME
+from moeshard.artifact.output import FAULT_ENV, LOCK_NAME
+from moeshard.artifact.verify import verify
 from moeshard.cli import main
-from moeshard.convert.manifest import MANIFEST_NAME
-from moeshard.convert.output import FAULT_ENV, LOCK_NAME
 from moeshard.convert.pipeline import convert
-from moeshard.convert.verify import verify
 from moeshard.errors import MoeshardError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def test_resume_with_other_arguments_is_refused(tmp_path, gpt_oss_tiny, monkeypa
 
 # -- disk space and write errors ------------------------------------------------------------------
 def test_not_enough_disk_is_refused_before_writing(tmp_path, gpt_oss_tiny, monkeypatch):
-    from moeshard.convert import output
+    from moeshard.artifact import output
 
     monkeypatch.setattr(output.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(MoeshardError, match=r"needs about 0\.00 GB more, but only 0\.00 GB are free"):
@@ -88,7 +88,7 @@ def test_not_enough_disk_is_refused_before_writing(tmp_path, gpt_oss_tiny, monke
 
 def _disk_full_after(monkeypatch, n: int) -> None:
     """The (n+1)-th output safetensors file fails with ENOSPC, as a full disk does."""
-    from moeshard.convert.writer import SequentialWriter
+    from moeshard.artifact.writer import SequentialWriter
 
     real = SequentialWriter._write
     files: list = []
@@ -308,7 +308,7 @@ def test_fuzzed_checkpoints_convert_or_fail_cleanly(request, tmp_path, family):
 def test_chunked_streaming_gives_the_same_bytes(request, tmp_path, family, monkeypatch):
     """One expert per chunk through one-page staging buffers (many writes in flight, buffers
     reused across files) against whole layers at once; every file's hash is its own."""
-    from moeshard.convert import writer
+    from moeshard.artifact import writer
 
     src = request.getfixturevalue(family)
     convert(src, tmp_path / "b", ep_size=2, tp_size=2)

@@ -17,11 +17,11 @@ from test_hub import hub_cache
 from test_reliability import run_cli, tree_bytes
 
 import moeshard
+from moeshard.artifact.manifest import MANIFEST_NAME, read_manifest
+from moeshard.artifact.output import FAULT_ENV, LOCK_NAME, STATE_DIR
+from moeshard.artifact.verify import verify
 from moeshard.cli import main
-from moeshard.convert.manifest import MANIFEST_NAME, read_manifest
-from moeshard.convert.output import FAULT_ENV, LOCK_NAME, STATE_DIR
 from moeshard.convert.pipeline import convert
-from moeshard.convert.verify import verify
 from moeshard.errors import MoeshardError
 from moeshard.validate import validate
 
@@ -200,7 +200,7 @@ def fake_hub(monkeypatch):
 
 
 def test_push_uploads_exactly_the_manifest_and_writes_nothing(tmp_path, src, fake_hub):
-    from moeshard.convert.push import push
+    from moeshard.artifact.push import push
 
     out = tmp_path / "out"
     convert(src, out, ep_size=2)
@@ -222,7 +222,7 @@ def test_push_uploads_exactly_the_manifest_and_writes_nothing(tmp_path, src, fak
 
 @pytest.mark.parametrize("change", ["size", "symlink"])
 def test_push_refuses_files_changed_since_the_manifest(tmp_path, src, fake_hub, change):
-    from moeshard.convert.push import push
+    from moeshard.artifact.push import push
 
     out = tmp_path / "out"
     convert(src, out, ep_size=2)
@@ -451,7 +451,7 @@ def test_verify_inspect_push_do_not_import_torch(tmp_path, src):
                 f"r = CliRunner().invoke(app, {args!r}); assert r.exit_code == 0, r.output; "
                 "assert 'torch' not in sys.modules, 'torch imported'")
         subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
-    code = "import sys; import moeshard.convert.push; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys; import moeshard.artifact.push; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 

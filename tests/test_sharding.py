@@ -9,9 +9,9 @@ import torch
 from _reference import pad_2d, pad_w13, vllm_gpt_oss_trtllm, vllm_nvfp4_trtllm
 from test_nvfp4 import rank_tensors, source_experts
 
-from moeshard.convert.manifest import read_manifest
+from moeshard.artifact.manifest import read_manifest
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.convert.pipeline import convert
-from moeshard.convert.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.validate import validate
 

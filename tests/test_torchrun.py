@@ -10,8 +10,8 @@ from pathlib import Path
 
 from test_reliability import tree_bytes
 
-from moeshard.convert.manifest import MANIFEST_NAME
-from moeshard.convert.output import FAULT_ENV
+from moeshard.artifact.manifest import MANIFEST_NAME
+from moeshard.artifact.output import FAULT_ENV
 from moeshard.convert.pipeline import convert
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import inspect
 import pytest
 import torch
 
-from moeshard.convert.manifest import read_manifest
-from moeshard.convert.source import Checkpoint
+from moeshard.artifact.manifest import read_manifest
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.validate.backends import trtllm_args
 
 FAMILIES = ["gpt_oss_tiny", "deepseek_tiny", "llama4_tiny"]

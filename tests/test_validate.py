@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from moeshard.artifact.manifest import read_manifest
 from moeshard.cli import app
-from moeshard.convert.manifest import read_manifest
 from moeshard.errors import MoeshardError
 from moeshard.validate import validate
 from moeshard.validate.backends import select_backend

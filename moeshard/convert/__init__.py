@@ -1,1 +1,1 @@
-"""Checkpoint families, planning, the conversion pipeline and the artifact manifest."""
+"""Conversion: plan -> produce -> manifest, in one process or several (torchrun)."""

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moeshard.layouts.tp import gemm1_rows, gemm2_columns
+
 
 @dataclass(frozen=True)
 class CanonicalExperts:
@@ -72,13 +74,12 @@ def slice_intermediate(c: CanonicalExperts, start: int, stop: int) -> CanonicalE
     i, sf = c.intermediate_size, c.sf_vec_size
     if start % sf or stop % sf or not 0 <= start < stop <= i:
         raise ValueError(f"slice [{start}, {stop}) of I={i} is not on {sf}-element blocks")
-
-    def halves(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat((t[:, start:stop], t[:, i + start:i + stop]), dim=1)
-
+    rows = gemm1_rows(i, start, stop).to(c.w13.device)
+    halves = lambda t: t.index_select(1, rows)  # noqa: E731
     return c.replace(w13=halves(c.w13), w13_scale=halves(c.w13_scale),
                      w13_bias=None if c.w13_bias is None else halves(c.w13_bias),
-                     w2=c.w2[:, :, start // 2:stop // 2], w2_scale=c.w2_scale[:, :, start // sf:stop // sf])
+                     w2=c.w2[:, :, gemm2_columns(start, stop, 2)],
+                     w2_scale=c.w2_scale[:, :, gemm2_columns(start, stop, sf)])
 
 
 def concat_experts(parts: list[CanonicalExperts]) -> CanonicalExperts:

@@ -21,6 +21,7 @@ import functools
 import torch
 
 from moeshard.layouts.canonical import CanonicalExperts
+from moeshard.layouts.kernel import KERNEL_FIELDS
 from moeshard.layouts.scales import deinterleave_scales_128x4, interleave_scales_128x4
 
 LAYOUT_NAME = "trtllm-gen-fp4"
@@ -28,9 +29,15 @@ LAYOUT_VERSION = 1
 EPILOGUE_TILE_M = 128
 SCALE_DTYPE = torch.float8_e4m3fn
 
-#: GPT-OSS SwiGLU constants (alpha is hard-coded in the reference code, not in config.json).
-GPT_OSS_SWIGLU_ALPHA = 1.702
-GPT_OSS_SWIGLU_BETA = 1.0
+
+def flashinfer_version() -> str | None:
+    """The installed flashinfer-python's version, or None (it is not needed to read artifacts)."""
+    try:
+        from importlib.metadata import version
+
+        return version("flashinfer-python")
+    except Exception:
+        return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -88,11 +95,6 @@ def to_trtllm(c: CanonicalExperts, epilogue_tile_m: int = EPILOGUE_TILE_M) -> di
     float32. All new tensors on c's device.
     """
     return to_trtllm_padded(c, c.hidden_size, c.intermediate_size, epilogue_tile_m)
-
-
-#: Kernel tensor -> the canonical field it is made of.
-KERNEL_FIELDS = {"gemm1_weights": "w13", "gemm1_weights_scale": "w13_scale", "gemm1_bias": "w13_bias",
-                 "gemm2_weights": "w2", "gemm2_weights_scale": "w2_scale", "gemm2_bias": "w2_bias"}
 
 
 def gemm1_source_rows(rows: torch.Tensor | None, i: int, inter_pad: int,
@@ -251,38 +253,3 @@ def from_trtllm(t: dict[str, torch.Tensor], epilogue_tile_m: int = EPILOGUE_TILE
     a13 = 1.0 / t["hidden_states_scale_global"].float()
     a2 = gate / o1
     return c.replace(w13_scale_2=gate / a13, w2_scale_2=o2 / a2, w13_input_scale=a13.expand_as(gate), w2_input_scale=a2)
-
-
-def swiglu_oai_scalars(num_experts: int, limit: float, alpha: float = GPT_OSS_SWIGLU_ALPHA,
-                       beta: float = GPT_OSS_SWIGLU_BETA) -> dict[str, torch.Tensor]:
-    """``gemm1_alpha``, ``gemm1_beta``, ``gemm1_clamp_limit``: float32 ``[E]`` each (GPT-OSS)."""
-    full = lambda v: torch.full((num_experts,), v, dtype=torch.float32)  # noqa: E731
-    return {"gemm1_alpha": full(alpha), "gemm1_beta": full(beta), "gemm1_clamp_limit": full(limit)}
-
-
-def nvfp4_scalars(w13_scale_2: torch.Tensor, w2_scale_2: torch.Tensor, a13: torch.Tensor,
-                  a2: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Kernel scalars of an NVFP4 x NVFP4 layer, as vLLM's ModelOpt NVFP4 trtllm path computes them.
-
-    Parameters
-    ----------
-    w13_scale_2, w2_scale_2 : ``[E]`` float32, the local experts' ``weight_scale_2``
-    a13, a2 : ``[]`` float32, maxima of the GEMM1 / GEMM2 ``input_scale`` over ALL experts of
-        the layer (so identical on every rank)
-
-    Returns
-    -------
-    ``output1_scale_gate_scalar = a13 * w13_scale_2``, ``output1_scale_scalar =
-    output1_scale_gate_scalar * (1 / a2)``, ``output2_scale_scalar = a2 * w2_scale_2`` (float32
-    ``[E]``), and ``hidden_states_scale_global = 1 / a13`` (float32 ``[]``), the global scale
-    to quantize the hidden states with. Multiplying by ``1 / a2`` (not dividing by a2) is
-    vLLM's ``g1_scale_c = w2_input_scale_quant * g1_alphas``; the two differ by at most one ulp.
-    """
-    a13, a2 = a13.float(), a2.float()
-    gate = (a13 * w13_scale_2.float()).float()
-    return {
-        "output1_scale_gate_scalar": gate,
-        "output1_scale_scalar": (1.0 / a2) * gate,
-        "output2_scale_scalar": (a2 * w2_scale_2.float()).float(),
-        "hidden_states_scale_global": (1.0 / a13).reshape(()),
-    }

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from moeshard.checkpoints.formats.fp4 import dequantize_nvfp4, quantize_nvfp4
 from moeshard.errors import MoeshardError
-from moeshard.kernel import static_kernel_args
-from moeshard.quant import dequantize_nvfp4, quantize_nvfp4
+from moeshard.layouts.kernel import static_kernel_args
 
 BLACKWELL = ((10, 0), (10, 3))
 

@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from moeshard.layouts.kernel import RoutingMethod
+
 
 def route(logits: torch.Tensor, routing: dict, correction_bias: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,13 +20,13 @@ def route(logits: torch.Tensor, routing: dict, correction_bias: torch.Tensor | N
       ``routed_scaling_factor`` (transformers' DeepseekV3TopkRouter).
     - Llama4 (3): top-1 logit, weight = sigmoid of it (applied to the expert's input).
     """
-    method = routing["routing_method_type"]
+    method = RoutingMethod(routing["routing_method_type"])
     k = routing["top_k"]
     logits = logits.float()
-    if method == 1:
+    if method is RoutingMethod.Renormalize:
         vals, ids = torch.topk(logits, k, dim=-1)
         return ids, torch.softmax(vals, dim=-1)
-    if method == 2:
+    if method is RoutingMethod.DeepSeekV3:
         t, e = logits.shape
         ng, kg = routing["n_group"], routing["topk_group"]
         scores = logits.sigmoid()
@@ -38,7 +40,7 @@ def route(logits: torch.Tensor, routing: dict, correction_bias: torch.Tensor | N
         if routing.get("norm_topk_prob", True):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, w * (routing.get("routed_scaling_factor") or 1.0)
-    if method == 3:
+    if method is RoutingMethod.Llama4:
         vals, ids = torch.topk(logits, 1, dim=-1)
         return ids, torch.sigmoid(vals)
     raise ValueError(f"routing_method_type {method} is not supported")

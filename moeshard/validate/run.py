@@ -8,15 +8,16 @@ from pathlib import Path
 
 import torch
 
-from moeshard.convert.families import QuantFormat, detect, read_experts
-from moeshard.convert.manifest import LOCAL_NAME, artifact_file, read_manifest, source_label
-from moeshard.convert.pipeline import Progress, kernel_scalars, read_rank_experts
-from moeshard.convert.source import Checkpoint
+from moeshard.artifact.manifest import LOCAL_NAME, Manifest, artifact_file
+from moeshard.checkpoints.families import detect, read_experts, read_rank_experts
+from moeshard.checkpoints.formats import QuantFormat
+from moeshard.checkpoints.formats.fp4 import dequantize_mxfp4, dequantize_nvfp4
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.files import load_json
 from moeshard.layouts.canonical import CanonicalExperts
+from moeshard.layouts.kernel import kernel_scalars
 from moeshard.layouts.trtllm import from_trtllm, to_trtllm_padded
-from moeshard.quant import dequantize_mxfp4, dequantize_nvfp4
 from moeshard.validate.backends import run_trtllm, select_backend, trtllm_args
 from moeshard.validate.moe import moe_forward, route
 
@@ -125,7 +126,7 @@ def _diagnose(kt: dict[str, torch.Tensor], want: dict[str, torch.Tensor], expert
     return ", ".join(bad)
 
 
-def source_folder(out: Path, m: dict) -> Path:
+def source_folder(out: Path, m: Manifest) -> Path:
     """The artifact's source checkpoint on this machine: the folder the conversion noted locally
     (:data:`LOCAL_NAME`), or, for a Hub source, its snapshot in the local Hub cache."""
     note = out / LOCAL_NAME
@@ -133,20 +134,19 @@ def source_folder(out: Path, m: dict) -> Path:
         path = load_json(note).get("source")
         if isinstance(path, str) and Path(path).is_dir():
             return Path(path)
-    src = m["source"]
-    if src.get("repo_id") and src.get("commit"):
+    src = m.source
+    if src.repo_id and src.commit:
         from huggingface_hub import constants
 
-        snap = (Path(constants.HF_HUB_CACHE) / f"models--{src['repo_id'].replace('/', '--')}" / "snapshots"
-                / str(src["commit"]))
+        snap = Path(constants.HF_HUB_CACHE) / f"models--{src.repo_id.replace('/', '--')}" / "snapshots" / src.commit
         if snap.is_dir():
             return snap
-    raise MoeshardError(f"{out}: its source ({source_label(src)}) is not on this machine; pass --source FOLDER")
+    raise MoeshardError(f"{out}: its source ({src.label()}) is not on this machine; pass --source FOLDER")
 
 
 def validate(out: Path, *, source: Path | None = None, layers: list[int] | None = None,
              ranks: list[int] | None = None, tokens: int = 32, seed: int = 0, backend: str = "auto",
-             device: str = "cpu", progress: Progress | None = None) -> ValidationReport:
+             device: str = "cpu", progress: Callable[[int, str], None] | None = None) -> ValidationReport:
     """Compare every chosen (rank, layer) of artifact ``out`` with the source checkpoint.
 
     Per layer, hidden states ``[tokens, H]`` float32 are drawn from ``seed + layer`` and routed
@@ -162,45 +162,45 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
     computed from all source experts. A failing rank is named with layer, tensor and expert.
     """
     out = Path(out)
-    m = read_manifest(out)
+    m = Manifest.read(out)
     if tokens < 1:
         raise MoeshardError(f"--tokens: expected a positive integer, found {tokens}")
     src = Path(source) if source is not None else source_folder(out, m)
     backend, note = select_backend(backend, device)
     tol = TOLERANCE[backend]
     report = ValidationReport(str(out), str(src), backend, device, tokens, seed, tol, [note] if note else [])
-    all_layers = [entry["layer"] for entry in m["moe_layers"]]
+    all_layers = [entry.layer for entry in m.moe_layers]
     layers = all_layers if layers is None else layers
-    all_ranks = [r["rank"] for r in m["ranks"]]
+    all_ranks = [r.rank for r in m.ranks]
     ranks = all_ranks if ranks is None else ranks
     for x in layers:
         if x not in all_layers:
-            raise MoeshardError(f"--layers {x}: not a MoE layer of {out} (MoE layers: {all_layers[0]}..{all_layers[-1]})")
+            raise MoeshardError(f"--layers {x}: not a MoE layer of {out} (MoE layers: "
+                                f"{all_layers[0]}..{all_layers[-1]})")
     for r in ranks:
         if r not in all_ranks:
             raise MoeshardError(f"--ranks {r}: {out} has ranks 0..{len(all_ranks) - 1}")
-    if backend == "trtllm-gen" and m["placement"] != "contiguous":
-        raise MoeshardError(f"{out}: placement {m['placement']}: FlashInfer's from-logits trtllm-gen kernel needs each "
+    if backend == "trtllm-gen" and m.placement != "contiguous":
+        raise MoeshardError(f"{out}: placement {m.placement}: FlashInfer's from-logits trtllm-gen kernel needs each "
                             "rank's experts contiguous; use --backend decode")
     tick = progress or (lambda n, what: None)
     if hasattr(tick, "total"):
         tick.total(len(layers) * len(ranks))
-    rank_folder = {r["rank"]: artifact_file(out, r["folder"]) for r in m["ranks"]}
+    rank_folder = {r.rank: artifact_file(out, r.folder) for r in m.ranks}
 
     with Checkpoint(src, partial=True) as ckpt, \
-            Checkpoint(artifact_file(out, m["common"]["folder"]) if m["common"] else src, with_config=False,
+            Checkpoint(artifact_file(out, m.common.folder) if m.common else src, with_config=False,
                        partial=True) as common:
         adapter = detect(ckpt)
         spec = adapter.spec(ckpt)
-        if spec.family.value != m["family"]:
-            raise MoeshardError(f"{src}: source family {spec.family.value} but {out} was made from {m['family']}")
+        if spec.family.value != m.family:
+            raise MoeshardError(f"{src}: source family {spec.family.value} but {out} was made from {m.family}")
         fmt = spec.quant_format
         h = spec.hidden_size
-        h_pad, i_pad = m["padding"]["hidden_size_padded"], m["padding"]["intermediate_size_padded"]
-        rank_info = {r["rank"]: r for r in m["ranks"]}
+        h_pad, i_pad = m.padding.hidden_size_padded, m.padding.intermediate_size_padded
         for layer in layers:
-            entry = next(e for e in m["moe_layers"] if e["layer"] == layer)
-            args = entry["kernel_args"]
+            entry = m.layer(layer)
+            args = entry.kernel_args
             x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(seed + layer)).to(device)
             router = {k: common.read(v.format(layer=layer)).float().to(device) for k, v in spec.router.items()}
             logits = x @ router["weight"].T
@@ -209,26 +209,29 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
             ids, weights = route(logits, args, router.get("correction_bias"))
             on_input = bool(args.get("apply_weight_on_input"))
             x_pad = torch.nn.functional.pad(x, (0, h_pad - h))
-            scales = adapter.input_scales(ckpt, spec, layer) if fmt is QuantFormat.NVFP4 else None
+            scales = adapter.input_scales(ckpt, spec, layer)
             sum_got = torch.zeros(tokens, h, device=device)
             x_ref = x  # the activations the reference sees (the kernel's, for trtllm-gen)
             for r in ranks:
-                info = rank_info[r]
-                experts, n = info["experts"], info["local_num_experts"]
-                where = f"{info['folder']}: {entry['prefix']}"
-                ref = _to(read_rank_experts(adapter, ckpt, spec, layer, experts, *info["intermediate_slice"],
-                                            info["tp_rank"]), device)
+                info = m.rank(r)
+                experts, n = list(info.experts), info.local_num_experts
+                where = f"{info.folder}: {entry.prefix}"
+                ref = _to(read_rank_experts(adapter, ckpt, spec, layer, experts, *info.intermediate_slice,
+                                            info.tp_rank), device)
                 with Checkpoint(rank_folder[r], with_config=False) as rf:
-                    names = [k for k in rf.tensors if k.startswith(entry["prefix"] + ".")]
+                    names = [k for k in rf.tensors if k.startswith(entry.prefix + ".")]
                     if not names:
-                        raise MoeshardError(f"{rf.root}: no tensors under {entry['prefix']}")
-                    kt = {k[len(entry["prefix"]) + 1:]: rf.read(k).to(device) for k in names}
+                        raise MoeshardError(f"{rf.root}: no tensors under {entry.prefix}")
+                    kt = {k[len(entry.prefix) + 1:]: rf.read(k).to(device) for k in names}
                 checks: list[tuple[float, float, int | None]] = []
                 if backend == "trtllm-gen":
-                    kargs, x_used = trtllm_args(kt, args, info, x_pad, logits, router.get("correction_bias"))
+                    kargs, x_used = trtllm_args(kt, args, {"local_expert_offset": info.local_expert_offset,
+                                                          "local_num_experts": n}, x_pad, logits,
+                                                router.get("correction_bias"))
                     x_ref = x_used[:, :h]
                     got = run_trtllm(kargs)[:, :h]
-                    want = moe_forward(x_ref, expert_fn(ref, fmt, device), experts, ids, weights, spec.activation, on_input)
+                    want = moe_forward(x_ref, expert_fn(ref, fmt, device), experts, ids, weights, spec.activation,
+                                       on_input)
                     checks.append((*_rel(got, want), None))
                     leaks: list[str] = []
                 else:
@@ -236,8 +239,8 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                     act = dict(spec.activation)
                     if act["type"] == "swiglu_oai":
                         act.update(alpha=kt["gemm1_alpha"], beta=kt["gemm1_beta"], limit=kt["gemm1_clamp_limit"])
-                    a, b = info["intermediate_slice"]
-                    leaks = _padding_leaks(art, h, b - a, info["tp_rank"])
+                    a, b = info.intermediate_slice
+                    leaks = _padding_leaks(art, h, b - a, info.tp_rank)
                     src_fn, art_fn = expert_fn(ref, fmt, device), expert_fn(art, fmt, device)
                     ones = torch.ones(tokens, 1, device=device)
                     for ge in experts:  # each expert alone, on every token
@@ -257,7 +260,7 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                 if not ok:
                     want_t = to_trtllm_padded(ref, h_pad, i_pad)
                     want_t.update({k: v.to(device) for k, v in
-                                   kernel_scalars(spec, n, ref.w13_scale_2, ref.w2_scale_2, scales).items()})
+                                   kernel_scalars(spec.activation, n, ref.w13_scale_2, ref.w2_scale_2, scales).items()})
                     bad = _diagnose(kt, want_t, experts)
                     what = (f"padding not zero in {', '.join(leaks)}" if leaks else
                             f"relative error {worst[1]:.3g} > {tol:g}" +
@@ -266,7 +269,7 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                 report.rows.append(Row(r, layer, backend, max_abs, rel, ok, detail, None if ok else worst[2]))
                 sum_got += got
                 tick(1, f"rank {r} layer {layer}")
-            if sorted(ranks) == all_ranks and len(all_ranks) == m["rank_count"] > 1:
+            if sorted(ranks) == all_ranks and len(all_ranks) == m.rank_count > 1:
                 full = _to(read_experts(adapter, ckpt, spec, layer, 0, spec.num_experts), device)
                 want = moe_forward(x_ref, expert_fn(full, fmt, device), range(spec.num_experts), ids, weights,
                                    spec.activation, on_input)

@@ -46,8 +46,8 @@ def test_tiny_artifact_equals_vllm_with_cuda_interleave(gpt_oss_tiny, gpt_oss_ar
     from _reference import vllm_gpt_oss_trtllm
     from flashinfer import block_scale_interleave
 
-    from moeshard.convert.manifest import read_manifest
-    from moeshard.convert.source import Checkpoint
+    from moeshard.artifact.manifest import read_manifest
+    from moeshard.checkpoints.source import Checkpoint
 
     out = gpt_oss_artifacts(ep_size)
     m = read_manifest(out)

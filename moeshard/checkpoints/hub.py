@@ -114,30 +114,8 @@ def file_hashes(snapshot: Path) -> dict[str, dict]:
     return out
 
 
-def needed_tensors(weight_map: dict[str, str], adapter, config: dict, experts: set[int] | None,
-                   common: bool) -> set[str]:
-    """Tensor names a (rank-only) conversion reads.
-
-    - per-expert families (DeepSeek): the chosen experts' tensors, plus every expert's
-      ``input_scale`` (the NVFP4 activation scales are maxima over all experts of the layer);
-    - fused families (GPT-OSS, Llama-4): the whole fused tensors (each rank reads its slice);
-    - the routers (to validate the ranks), and, with ``common``, every non-expert tensor.
-    """
-    prefixes = tuple(adapter.prefix.format(layer=layer) + "." for layer in adapter.moe_layers(config))
-    out = set()
-    for name in weight_map:
-        if not name.startswith(prefixes):
-            if common or ".router." in name or ".mlp.gate." in name:
-                out.add(name)
-            continue
-        rest = name[len(next(p for p in prefixes if name.startswith(p))):]
-        head = rest.split(".")[0]
-        if not head.isdigit() or experts is None or int(head) in experts or rest.endswith(".input_scale"):
-            out.add(name)
-    return out
-
-
 def needed_files(weight_map: dict[str, str], names: set[str]) -> list[str]:
+    """The shards (per the index) holding these tensors."""
     return sorted({weight_map[n] for n in names})
 
 

@@ -1,4 +1,4 @@
-"""safetensors access: one dtype table, header-only reads, atomic sharded writes.
+"""safetensors access: one dtype table, header-only reads, sharded writes of small files.
 
 Reads go through ``safetensors.safe_open`` (``keys``, ``get_slice``, ``get_tensor``), which
 memory-maps the file: a slice reads only its own bytes.
@@ -7,6 +7,7 @@ memory-maps the file: a slice reads only its own bytes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -58,10 +59,13 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return tensor_bytes(self.dtype, self.shape)
+
+
+def tensor_bytes(dtype: str, shape) -> int:
+    """Bytes of a tensor of safetensors dtype code ``dtype`` and ``shape`` (the one rule: every
+    header, plan and writer sizes its tensors with it)."""
+    return DTYPES[dtype].itemsize * math.prod(shape)
 
 
 #: safetensors refuses headers larger than this (``safetensors/src/tensor.rs``, MAX_HEADER_SIZE).

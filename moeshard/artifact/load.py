@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from moeshard.convert.io import DTYPES, header_length, pread_into
-from moeshard.convert.manifest import artifact_file, read_manifest
+from moeshard.artifact.manifest import MANIFEST_NAME, Manifest, artifact_file
+from moeshard.checkpoints.safetensors_io import DTYPES, header_length, pread_into
 from moeshard.errors import MoeshardError
-from moeshard.kernel import flashinfer_version, static_kernel_args
-from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION
+from moeshard.layouts.kernel import static_kernel_args
+from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, flashinfer_version
 
 CHUNK = 32 << 20
 READERS = 4
@@ -68,7 +68,7 @@ class RankWeights:
     experts: list[int]
     layers: dict[int, MoeLayer]
     common_folder: Path | None  # every non-expert tensor, unchanged (None: a rank-only artifact without it)
-    manifest: dict = field(repr=False)
+    manifest: Manifest = field(repr=False)
     bytes_read: int = 0
 
 
@@ -162,38 +162,36 @@ def load_rank(artifact: Path | str, rank: int, device: str | torch.device = "cud
     :meth:`MoeLayer.kernel_kwargs`.
     """
     artifact = Path(artifact)
-    m = read_manifest(artifact)
-    lay = m["layout"]
-    if (lay["name"], lay["version"]) != (LAYOUT_NAME, LAYOUT_VERSION):
-        raise MoeshardError(f"{artifact / 'moeshard.json'}: layout: expected {LAYOUT_NAME} version {LAYOUT_VERSION}, "
-                            f"found {lay['name']} version {lay['version']}; convert the checkpoint again with this "
+    m = Manifest.read(artifact)
+    where = artifact / MANIFEST_NAME
+    if (m.layout.name, m.layout.version) != (LAYOUT_NAME, LAYOUT_VERSION):
+        raise MoeshardError(f"{where}: layout: expected {LAYOUT_NAME} version {LAYOUT_VERSION}, found "
+                            f"{m.layout.name} version {m.layout.version}; convert the checkpoint again with this "
                             "moeshard")
-    made_for, installed = m["tool"].get("flashinfer"), flashinfer_version()
+    made_for, installed = m.tool.flashinfer, flashinfer_version()
     if check_flashinfer and made_for and installed and made_for != installed:
-        raise MoeshardError(f"{artifact / 'moeshard.json'}: made for flashinfer-python {made_for}, found {installed} "
+        raise MoeshardError(f"{where}: made for flashinfer-python {made_for}, found {installed} "
                             "installed; its kernels may expect another layout: convert again, or pass "
                             "check_flashinfer=False if you know the layout is unchanged")
-    info = next((r for r in m["ranks"] if r["rank"] == rank), None)
-    if info is None:
-        raise MoeshardError(f"{artifact}: no rank {rank} (ranks: {[r['rank'] for r in m['ranks']]})")
+    info = m.rank(rank)
     tensors: dict[str, torch.Tensor] = {}
     nbytes = 0
-    for f in info["files"]:
-        path = artifact_file(artifact, f["path"])
-        if not path.is_file() or path.stat().st_size != f["bytes"]:
-            raise MoeshardError(f"{path}: missing or of the wrong size (expected {f['bytes']} bytes); "
+    for f in info.files:
+        path = artifact_file(artifact, f.path)
+        if not path.is_file() or path.stat().st_size != f.bytes:
+            raise MoeshardError(f"{path}: missing or of the wrong size (expected {f.bytes} bytes); "
                                 "moeshard verify checks the artifact")
         header, buf = read_file_to(path, device)
         tensors.update(_views(header, buf, path))
-        nbytes += f["bytes"]
+        nbytes += f.bytes
     layers = {}
-    for entry in m["moe_layers"]:
-        p = entry["prefix"]
+    for entry in m.moe_layers:
+        p = entry.prefix
         lt = {k[len(p) + 1:]: v for k, v in tensors.items() if k.startswith(p + ".")}
-        args = {**entry["kernel_args"], "local_expert_offset": info["local_expert_offset"],
-                "local_num_experts": info["local_num_experts"]}
-        layers[entry["layer"]] = MoeLayer(entry["layer"], p, lt, args, {k: v.format(layer=entry["layer"])
-                                                                        for k, v in m["router"].items()},
-                                          m["padding"]["hidden_size_padded"], m["padding"]["hidden_size"])
-    return RankWeights(artifact, rank, info["ep_rank"], info["tp_rank"], info["experts"], layers,
-                       artifact_file(artifact, m["common"]["folder"]) if m["common"] else None, m, nbytes)
+        args = {**entry.kernel_args, "local_expert_offset": info.local_expert_offset,
+                "local_num_experts": info.local_num_experts}
+        layers[entry.layer] = MoeLayer(entry.layer, p, lt, args, {k: v.format(layer=entry.layer)
+                                                                  for k, v in m.router.items()},
+                                       m.padding.hidden_size_padded, m.padding.hidden_size)
+    return RankWeights(artifact, rank, info.ep_rank, info.tp_rank, list(info.experts), layers,
+                       artifact_file(artifact, m.common.folder) if m.common else None, m, nbytes)

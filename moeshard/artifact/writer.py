@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from moeshard.convert.io import DTYPES
+from moeshard.checkpoints.safetensors_io import DTYPES, tensor_bytes
 
 #: O_DIRECT needs buffer addresses, file offsets and lengths on this boundary.
 ALIGN = 4096
@@ -77,9 +77,7 @@ def file_layout(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[
     spans: dict[str, tuple[int, int]] = {}
     pos = 0
     for name, dtype, shape in sorted(tensors, key=lambda t: -DTYPES[t[1]].itemsize):
-        n = DTYPES[dtype].itemsize
-        for d in shape:
-            n *= d
+        n = tensor_bytes(dtype, shape)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
         spans[name] = (pos, pos + n)
         pos += n

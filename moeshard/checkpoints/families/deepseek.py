@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.convert.families import Family, ModelSpec, QuantFormat, check_sizes
-from moeshard.convert.source import Checkpoint
+from moeshard.checkpoints.families.base import AdapterBase, Family, ModelSpec, check_sizes, positive_ints
+from moeshard.checkpoints.formats import QuantFormat
+from moeshard.checkpoints.formats.modelopt import check_group_size, nvfp4_quant_algo, read_scalar
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
+from moeshard.layouts.kernel import ActivationType, RoutingMethod
 
 PREFIX = "model.layers.{layer}.mlp.experts"
 #: Per expert M and projection P in (gate_proj, up_proj, down_proj), nvidia/DeepSeek-R1-FP4
@@ -19,49 +22,15 @@ LINEAR_TENSORS = {
 }
 ROUTER = {"weight": "model.layers.{layer}.mlp.gate.weight",
           "correction_bias": "model.layers.{layer}.mlp.gate.e_score_correction_bias"}
-ROUTING_DEEPSEEK_V3 = 2  # flashinfer RoutingMethodType.DeepSeekV3
 
 
-def nvfp4_quant_algo(config: dict, quant_config: dict | None) -> str | None:
-    """``NVFP4`` from hf_quant_config.json (legacy ModelOpt) or config.json's modelopt quantization_config."""
-    if quant_config is not None:
-        return (quant_config.get("quantization") or {}).get("quant_algo")
-    q = config.get("quantization_config") or {}
-    return q.get("quant_algo") if q.get("quant_method") == "modelopt" else None
-
-
-def check_group_size(ckpt: Checkpoint) -> None:
-    q = (ckpt.quant_config or {}).get("quantization") or {}
-    gs = q.get("group_size", 16)
-    if gs != 16:
-        raise MoeshardError(f"{ckpt.root / 'hf_quant_config.json'}: group_size: expected 16 (NVFP4), found {gs!r}")
-
-
-def positive_ints(cfg: dict, where, keys: tuple[str, ...]) -> None:
-    for key in keys:
-        if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
-            raise MoeshardError(f"{where}: {key}: expected a positive integer, found {cfg.get(key)!r}")
-
-
-def read_scalar(ckpt: Checkpoint, name: str) -> torch.Tensor:
-    """A per-tensor F32 scale (``[]`` as ModelOpt writes it, ``[1]`` tolerated) as a 0-dim tensor."""
-    t = ckpt.read(name).float().reshape(-1)
-    if t.numel() != 1:
-        raise MoeshardError(f"{ckpt.info(name).file}: {name}: expected one value, found {t.numel()}")
-    if not torch.isfinite(t).all() or t.item() <= 0:
-        raise MoeshardError(f"{ckpt.info(name).file}: {name}: expected a positive finite scale, found {t.item()}")
-    return t[0]
-
-
-class DeepSeekAdapter:
+class DeepSeekAdapter(AdapterBase):
     family = Family.DEEPSEEK
     prefix = PREFIX
+    router = ROUTER
+    shared_leaves = ("input_scale",)
     layers_key = "num_hidden_layers"
     experts_key = "n_routed_experts"
-
-    @staticmethod
-    def num_experts(cfg: dict) -> int:
-        return cfg["n_routed_experts"]
 
     @staticmethod
     def moe_layers(cfg: dict) -> tuple[int, ...]:
@@ -109,11 +78,11 @@ class DeepSeekAdapter:
         return ModelSpec(
             family=self.family, quant_format=QuantFormat.NVFP4, num_experts=e, hidden_size=h, intermediate_size=i,
             moe_layers=layers, expert_prefix=PREFIX,
-            routing={"routing_method_type": ROUTING_DEEPSEEK_V3, "top_k": cfg["num_experts_per_tok"],
+            routing={"routing_method_type": RoutingMethod.DeepSeekV3, "top_k": cfg["num_experts_per_tok"],
                      "n_group": cfg["n_group"], "topk_group": cfg["topk_group"],
                      "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
                      "norm_topk_prob": bool(cfg.get("norm_topk_prob", True))},
-            activation={"type": "swiglu", "activation_type": 3},
+            activation={"type": "swiglu", "activation_type": ActivationType.Swiglu},
             router=dict(ROUTER), expert_tensors=frozenset(names))
 
     #: Canonical field -> its source tensors per expert, in canonical row order (for prefetching).

@@ -1,5 +1,8 @@
 """The artifact folder while it is written: a lock, a journal of finished files, atomic writes.
 
+(About 300 lines on purpose: every path by which a run creates or removes a file in the output
+folder is in this one module, so that what moeshard may delete can be audited in one place.)
+
 - ``OUT/.moeshard.lock`` is held (``flock``) for the whole conversion: a second convert into the
   same folder is refused; the kernel releases it if the process dies.
 - ``OUT/.moeshard-incomplete/`` holds the plan's fingerprint and ``journal.jsonl``: one line per
@@ -26,7 +29,7 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from moeshard.convert.manifest import LOCAL_NAME, MANIFEST_NAME, is_artifact, manifest_files
+from moeshard.artifact.manifest import LOCAL_NAME, MANIFEST_NAME, Manifest, is_artifact
 from moeshard.errors import MoeshardError
 from moeshard.files import load_json, sha256_file, write_json
 
@@ -79,9 +82,9 @@ def previous_output(out: Path) -> tuple[list[Path], list[str]]:
     listed: set[str] = set()
     if (out / MANIFEST_NAME).is_file():
         try:
-            listed |= {f["path"] for f in manifest_files(load_json(out / MANIFEST_NAME))}
-        except (MoeshardError, KeyError, TypeError):
-            pass
+            listed |= {f.path for f in Manifest.from_json(load_json(out / MANIFEST_NAME)).files()}
+        except MoeshardError:
+            pass  # an unreadable manifest lists nothing: its files count as foreign
     for journal in sorted((out / STATE_DIR).glob("journal*.jsonl")) if (out / STATE_DIR).is_dir() else []:
         for line in journal.read_text(errors="replace").splitlines():
             try:
@@ -295,9 +298,9 @@ class OutputDir:
         """A file copied unchanged (config files), written and journaled like the others."""
         self.write(rel, lambda tmp: shutil.copyfile(src, tmp) and None)
 
-    def finish(self, manifest: dict, local: dict) -> None:
+    def finish(self, manifest: Manifest, local: dict) -> None:
         """Write the manifest (last), this machine's note (:data:`LOCAL_NAME`), then drop the journal."""
-        write_json(self.out / MANIFEST_NAME, manifest)
+        write_json(self.out / MANIFEST_NAME, manifest.to_json())
         fsync_path(self.out / MANIFEST_NAME)
         write_json(self.out / LOCAL_NAME, local)
         shutil.rmtree(self.out / STATE_DIR, ignore_errors=True)

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from moeshard.convert.io import DTYPES, INDEX_NAME, SINGLE_NAME, TensorInfo, read_header
-from moeshard.convert.manifest import MANIFEST_NAME
+from moeshard.checkpoints.safetensors_io import INDEX_NAME, SINGLE_NAME, TensorInfo, read_header
 from moeshard.errors import MoeshardError
 from moeshard.files import load_json
 from moeshard.paths import inside
@@ -30,9 +29,6 @@ class Checkpoint:
         self.absent: set[str] = set()
         if not self.root.is_dir():
             raise MoeshardError(f"{self.root}: not a folder (expected a checkpoint folder or a Hub repo id)")
-        if with_config and (self.root / MANIFEST_NAME).is_file():
-            raise MoeshardError(f"{self.root}: is a moeshard artifact, not a checkpoint: convert its source "
-                                "(moeshard inspect shows which)")
         self.config = load_json(self.file("config.json")) if with_config else {}
         qpath = self.file("hf_quant_config.json")
         self.quant_config = load_json(qpath) if with_config and qpath.is_file() else None
@@ -166,4 +162,4 @@ class Checkpoint:
         self.close()
 
 
-__all__ = ["Checkpoint", "DTYPES", "load_json"]
+__all__ = ["Checkpoint"]

@@ -4,39 +4,39 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeshard.convert.manifest import MANIFEST_NAME, artifact_file, manifest_files, read_manifest, source_label
+from moeshard.artifact.manifest import MANIFEST_NAME, Manifest, artifact_file
 from moeshard.errors import MoeshardError
 
 
-def model_card(m: dict, repo_id: str) -> str:
+def model_card(m: Manifest, repo_id: str) -> str:
     """README.md of a pushed artifact: source, layout, ranks, how to load."""
-    src = m["source"]
-    origin = (f"[{src['repo_id']}](https://huggingface.co/{src['repo_id']}) at commit `{src['commit']}`"
-              if src.get("repo_id") else f"a local checkpoint (`{src.get('name')}`)")
-    pad = m["padding"]
-    ranks = "\n".join(f"| {r['rank']} | {r['ep_rank']} | {r['tp_rank']} | {r['experts'][0]}..{r['experts'][-1]} "
-                      f"({len(r['experts'])}) | {r['intermediate_slice'][0]}..{r['intermediate_slice'][1]} |"
-                      for r in m["ranks"])
+    src = m.source
+    origin = (f"[{src.repo_id}](https://huggingface.co/{src.repo_id}) at commit `{src.commit}`"
+              if src.repo_id else f"a local checkpoint (`{src.name}`)")
+    pad, lay = m.padding, m.layout
+    ranks = "\n".join(f"| {r.rank} | {r.ep_rank} | {r.tp_rank} | {r.experts[0]}..{r.experts[-1]} "
+                      f"({len(r.experts)}) | {r.intermediate_slice[0]}..{r.intermediate_slice[1]} |"
+                      for r in m.ranks)
     return f"""---
 tags:
 - moeshard
 - flashinfer
 - trtllm-gen
-- {m['quant_format']}
+- {m.quant_format}
 ---
 
 # {repo_id}
 
-FlashInfer trtllm-gen rank shards of {origin}, made by moeshard {m['tool']['version']}
-(for flashinfer-python {m['tool']['flashinfer']}).
+FlashInfer trtllm-gen rank shards of {origin}, made by moeshard {m.tool.version}
+(for flashinfer-python {m.tool.flashinfer}).
 
-- family: `{m['family']}`, quantization: `{m['quant_format']}`
-- layout: `{m['layout']['name']}` version {m['layout']['version']} (epilogue_tile_m {m['layout']['epilogue_tile_m']},
+- family: `{m.family}`, quantization: `{m.quant_format}`
+- layout: `{lay.name}` version {lay.version} (epilogue_tile_m {lay.epilogue_tile_m},
   128x4 scale interleave, scales stored as float8_e4m3fn)
-- hidden size {pad['hidden_size']} padded to {pad['hidden_size_padded']}; intermediate size
-  {pad['intermediate_size']}, per rank padded to {pad['intermediate_size_padded']}
-- {m['rank_count']} ranks: expert parallel {m['ep_size']} x tensor parallel {m['tp_size']}, placement
-  `{m['placement']}`; this repository holds {len(m['ranks'])} of them{'' if m['common'] else ' (no common/)'}
+- hidden size {pad.hidden_size} padded to {pad.hidden_size_padded}; intermediate size
+  {pad.intermediate_size}, per rank padded to {pad.intermediate_size_padded}
+- {m.rank_count} ranks: expert parallel {m.ep_size} x tensor parallel {m.tp_size}, placement
+  `{m.placement}`; this repository holds {len(m.ranks)} of them{'' if m.common else ' (no common/)'}
 
 | rank | ep_rank | tp_rank | experts | intermediate slice |
 |---|---|---|---|---|
@@ -53,7 +53,7 @@ from huggingface_hub import snapshot_download
 
 out = snapshot_download("{repo_id}", allow_patterns=["moeshard.json", "*.json", "common/*", "rank-00003/*"])
 rank = moeshard.load_rank(out, 3, device="cuda")  # this process is rank 3
-layer = rank.layers[{m['moe_layers'][0]['layer']}]
+layer = rank.layers[{m.moe_layers[0].layer}]
 # flashinfer.fused_moe.trtllm_fp4_block_scale_moe(**layer.kernel_kwargs(routing_logits, hidden_states))
 ```
 
@@ -62,10 +62,10 @@ against the source checkpoint).
 """
 
 
-def upload_list(out: Path, m: dict) -> list[tuple[str, Path]]:
+def upload_list(out: Path, m: Manifest) -> list[tuple[str, Path]]:
     """``(path in repo, local path)`` of every file the manifest lists, plus the manifest, each a
     regular file inside the artifact (no symlink) of the size the manifest records."""
-    files = [(f["path"], f["bytes"]) for f in manifest_files(m)] + [(MANIFEST_NAME, None)]
+    files = [(f.path, f.bytes) for f in m.files()] + [(MANIFEST_NAME, None)]
     out_list = []
     for rel, size in files:
         p = artifact_file(out, rel)
@@ -90,20 +90,19 @@ def push(out: Path, repo_id: str, *, revision: str | None = None, private: bool 
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from moeshard.convert.hub import hub_error, hub_errors
+    from moeshard.checkpoints.hub import hub_error, hub_errors
 
     out = Path(out)
-    m = read_manifest(out)
+    m = Manifest.read(out)
     files = upload_list(out, m)
-    src = m["source"]
     ops = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(p)) for rel, p in files]
     ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=model_card(m, repo_id).encode()))
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         return api.create_commit(repo_id, operations=ops, revision=revision,
-                                 commit_message=commit_message or f"moeshard {m['family']} artifact: "
-                                 f"{m['rank_count']} ranks (ep {m['ep_size']} x tp {m['tp_size']})",
-                                 commit_description=f"Converted from {source_label(src)} by moeshard.")
+                                 commit_message=commit_message or f"moeshard {m.family} artifact: "
+                                 f"{m.rank_count} ranks (ep {m.ep_size} x tp {m.tp_size})",
+                                 commit_description=f"Converted from {m.source.label()} by moeshard.")
     except hub_errors() as e:
         raise hub_error(repo_id, e) from None

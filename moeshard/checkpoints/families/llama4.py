@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.convert.deepseek import check_group_size, nvfp4_quant_algo, positive_ints, read_scalar
-from moeshard.convert.families import Family, ModelSpec, QuantFormat, check_sizes
-from moeshard.convert.source import Checkpoint
+from moeshard.checkpoints.families.base import AdapterBase, Family, ModelSpec, check_sizes, positive_ints
+from moeshard.checkpoints.formats import QuantFormat
+from moeshard.checkpoints.formats.modelopt import check_group_size, nvfp4_quant_algo, read_scalar
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
+from moeshard.layouts.kernel import ActivationType, RoutingMethod
 
 PREFIX = "language_model.model.layers.{layer}.feed_forward.experts"
 #: nvidia/Llama-4-Scout-17B-16E-Instruct-FP4, per MoE layer: leaf -> (dtype, shape(E, H, I)).
@@ -29,18 +31,14 @@ EXPERT_TENSORS = {
     "down_proj_input_scale": ("F32", lambda e, h, i: ()),
 }
 ROUTER = {"weight": "language_model.model.layers.{layer}.feed_forward.router.weight"}
-ROUTING_LLAMA4 = 3  # flashinfer RoutingMethodType.Llama4: Top1 -> Sigmoid
 
 
-class Llama4Adapter:
+class Llama4Adapter(AdapterBase):
     family = Family.LLAMA4
     prefix = PREFIX
+    router = ROUTER
     layers_key = "text_config.num_hidden_layers"
     experts_key = "text_config.num_local_experts"
-
-    @staticmethod
-    def num_experts(cfg: dict) -> int:
-        return cfg["text_config"]["num_local_experts"]
 
     @staticmethod
     def moe_layers(config: dict) -> tuple[int, ...]:
@@ -76,9 +74,9 @@ class Llama4Adapter:
         return ModelSpec(
             family=self.family, quant_format=QuantFormat.NVFP4, num_experts=e, hidden_size=h, intermediate_size=i,
             moe_layers=layers, expert_prefix=PREFIX,
-            routing={"routing_method_type": ROUTING_LLAMA4, "top_k": 1, "n_group": None, "topk_group": None,
+            routing={"routing_method_type": RoutingMethod.Llama4, "top_k": 1, "n_group": None, "topk_group": None,
                      "routed_scaling_factor": None, "apply_weight_on_input": True},
-            activation={"type": "swiglu", "activation_type": 3},
+            activation={"type": "swiglu", "activation_type": ActivationType.Swiglu},
             router=dict(ROUTER), expert_tensors=frozenset(names))
 
     #: Canonical field -> its source tensor (for prefetching).

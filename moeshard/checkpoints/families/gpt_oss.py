@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.convert.families import Family, ModelSpec, QuantFormat, check_sizes
-from moeshard.convert.source import Checkpoint
+from moeshard.checkpoints.families.base import AdapterBase, Family, ModelSpec, check_sizes
+from moeshard.checkpoints.formats import QuantFormat
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
+from moeshard.layouts.kernel import ActivationType, RoutingMethod
 
 PREFIX = "model.layers.{layer}.mlp.experts"
 #: Expert tensors of one layer: name -> (dtype code, shape as a function of E, H, I).
@@ -20,7 +22,10 @@ EXPERT_TENSORS = {
     "down_proj_bias": ("BF16", lambda e, h, i: (e, h)),
 }
 ROUTER = {"weight": "model.layers.{layer}.mlp.router.weight", "bias": "model.layers.{layer}.mlp.router.bias"}
-ROUTING_RENORMALIZE = 1  # flashinfer RoutingMethodType.Renormalize: TopK -> Softmax
+#: GPT-OSS's clamped SwiGLU: alpha and beta are hard-coded in the reference code (not in
+#: config.json); the clamp limit is config.json's ``swiglu_limit``.
+SWIGLU_ALPHA = 1.702
+SWIGLU_BETA = 1.0
 
 
 def _deinterleaved_rows(two_i: int) -> torch.Tensor:
@@ -28,15 +33,12 @@ def _deinterleaved_rows(two_i: int) -> torch.Tensor:
     return torch.cat((torch.arange(1, two_i, 2), torch.arange(0, two_i, 2)))
 
 
-class GptOssAdapter:
+class GptOssAdapter(AdapterBase):
     family = Family.GPT_OSS
     prefix = PREFIX
+    router = ROUTER
     layers_key = "num_hidden_layers"
     experts_key = "num_local_experts"
-
-    @staticmethod
-    def num_experts(cfg: dict) -> int:
-        return cfg["num_local_experts"]
 
     @staticmethod
     def moe_layers(cfg: dict) -> tuple[int, ...]:
@@ -51,14 +53,16 @@ class GptOssAdapter:
         check_sizes(self, ckpt.config, [*ckpt.tensors, *ckpt.absent], where)
         q = cfg.get("quantization_config") or {}
         if q.get("quant_method") != "mxfp4":
-            raise MoeshardError(f"{where}: quantization_config.quant_method: expected 'mxfp4', found {q.get('quant_method')!r}")
+            raise MoeshardError(f"{where}: quantization_config.quant_method: expected 'mxfp4', "
+                                f"found {q.get('quant_method')!r}")
         for key in ("num_local_experts", "hidden_size", "intermediate_size", "num_hidden_layers"):
             if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
                 raise MoeshardError(f"{where}: {key}: expected a positive integer, found {cfg.get(key)!r}")
         e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
         top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
         if h % 32 or i % 32:
-            raise MoeshardError(f"{where}: hidden_size {h} and intermediate_size {i}: expected multiples of 32 (MXFP4 block)")
+            raise MoeshardError(f"{where}: hidden_size {h} and intermediate_size {i}: expected multiples of 32 "
+                                "(MXFP4 block)")
         if not isinstance(top_k, int) or not 1 <= top_k <= e:
             raise MoeshardError(f"{where}: num_experts_per_tok: expected an integer in 1..{e}, found {top_k!r}")
         layers = self.moe_layers(cfg)
@@ -78,17 +82,19 @@ class GptOssAdapter:
             intermediate_size=i,
             moe_layers=layers,
             expert_prefix=PREFIX,
-            routing={"routing_method_type": ROUTING_RENORMALIZE, "top_k": top_k, "n_group": None,
+            routing={"routing_method_type": RoutingMethod.Renormalize, "top_k": top_k, "n_group": None,
                      "topk_group": None, "routed_scaling_factor": None},
-            activation={"type": "swiglu_oai", "activation_type": 3, "alpha": 1.702, "beta": 1.0,
-                        "limit": float(cfg.get("swiglu_limit", 7.0))},
+            activation={"type": "swiglu_oai", "activation_type": ActivationType.Swiglu, "alpha": SWIGLU_ALPHA,
+                        "beta": SWIGLU_BETA, "limit": float(cfg.get("swiglu_limit", 7.0))},
             router=dict(ROUTER),
             expert_tensors=frozenset(names),
+            has_bias=True,
         )
 
     #: Canonical field -> its source tensor (for prefetching).
-    sources = {"w13": ("gate_up_proj_blocks",), "w13_scale": ("gate_up_proj_scales",), "w13_bias": ("gate_up_proj_bias",),
-               "w2": ("down_proj_blocks",), "w2_scale": ("down_proj_scales",), "w2_bias": ("down_proj_bias",)}
+    sources = {"w13": ("gate_up_proj_blocks",), "w13_scale": ("gate_up_proj_scales",),
+               "w13_bias": ("gate_up_proj_bias",), "w2": ("down_proj_blocks",), "w2_scale": ("down_proj_scales",),
+               "w2_bias": ("down_proj_bias",)}
 
     def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -101,5 +107,3 @@ class GptOssAdapter:
         t = t.float() if field.endswith("bias") else t.flatten(-2) if t.dim() == 4 else t  # blocks: [n, rows, H/2]
         return t, (_deinterleaved_rows(t.shape[1]) if field.startswith("w13") else None)
 
-    def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int) -> dict:
-        return {}

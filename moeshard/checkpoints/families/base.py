@@ -1,0 +1,233 @@
+"""What every checkpoint family shares: the closed enum of families, the model spec an adapter
+produces, the adapter protocol, and the facts derived from it alone (config checks, expert-name
+parsing, the tensors a rank needs, a rank's canonical experts for the reference path).
+
+A family adapter knows the names and quirks of one checkpoint family and nothing of layouts: it
+returns canonical fields (DESIGN.md, "Canonical experts").
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from moeshard.checkpoints.formats import QuantFormat
+from moeshard.errors import MoeshardError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from moeshard.checkpoints.source import Checkpoint
+    from moeshard.layouts.canonical import CanonicalExperts
+
+
+class Family(str, enum.Enum):
+    GPT_OSS = "gpt-oss"
+    DEEPSEEK = "deepseek"
+    LLAMA4 = "llama4"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a converter needs to know of a checkpoint, from its config and headers.
+
+    ``routing`` holds the trtllm-gen routing arguments (``routing_method_type``, ``top_k``,
+    ``n_group``, ``topk_group``, ``routed_scaling_factor``); ``activation`` the activation
+    (``type``, ``activation_type`` and its constants); ``expert_prefix`` is the module prefix
+    template of a layer's experts, and ``router`` the names of the router tensors ({layer}
+    placeholders).
+    """
+
+    family: Family
+    quant_format: QuantFormat
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    moe_layers: tuple[int, ...]
+    expert_prefix: str
+    routing: dict
+    activation: dict
+    router: dict[str, str]
+    expert_tensors: frozenset[str] = field(repr=False)
+    has_bias: bool = False  # the experts have biases (w13_bias, w2_bias)
+
+    def prefix(self, layer: int) -> str:
+        return self.expert_prefix.format(layer=layer)
+
+
+class Adapter(Protocol):
+    """One checkpoint family: names and quirks, nothing about layouts."""
+
+    family: Family
+    prefix: str  # expert module prefix template, "{layer}" placeholder
+    router: dict[str, str]  # router tensor name templates, "{layer}" placeholder
+    layers_key: str  # config.json key of the layer count ("a.b": nested)
+    experts_key: str  # config.json key of the routed expert count
+    sources: dict[str, tuple[str, ...]]
+    """Canonical field -> the leaf names of its source tensors (prefetching reads them ahead)."""
+    shared_leaves: tuple[str, ...]
+    """Leaves of per-expert tensors that every rank reads for all experts (NVFP4 input scales)."""
+
+    def moe_layers(self, config: dict) -> tuple[int, ...]:
+        """The MoE layers, from config.json alone (after :func:`check_sizes`)."""
+
+    def detect(self, config: dict, quant_config: dict | None) -> bool:
+        """Whether config.json (and hf_quant_config.json) describe this family."""
+
+    def spec(self, ckpt: Checkpoint) -> ModelSpec:
+        """Validate every expert tensor's header against the config; raise MoeshardError if off."""
+
+    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
+                 ) -> tuple[Tensor, Tensor | None] | None:
+        """Experts ``[start, stop)`` of one canonical field (``w13``, ``w13_scale``, ``w2``,
+        ``w2_scale``, ``w13_bias``, ``w2_bias``; see :class:`CanonicalExperts`), unpadded:
+        ``(src, rows)`` where ``src[:, rows]`` (``src`` when rows is None) is the field, so that
+        a checkpoint's own row order is read in place; None for a field the family lacks.
+        Block scales are checked for NaN codes."""
+
+    def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
+                     ) -> dict[str, Tensor]:
+        """NVFP4: ``w13_scale_2``, ``w2_scale_2``, ``w13_input_scale``, ``w2_input_scale``
+        ``[n]`` float32 of experts ``[start, stop)``; MXFP4: {}."""
+
+    def input_scales(self, ckpt: Checkpoint, spec: ModelSpec, layer: int) -> tuple[Tensor, Tensor] | None:
+        """NVFP4: ``(a13, a2)``, the layer's maxima of the GEMM1 / GEMM2 ``input_scale`` over all
+        experts; MXFP4: None."""
+
+
+class AdapterBase:
+    """Defaults shared by the adapters: counts read through their config keys, no scalars."""
+
+    shared_leaves: tuple[str, ...] = ()
+
+    def num_experts(self, config: dict) -> int:
+        return config_value(config, self.experts_key)
+
+    def num_layers(self, config: dict) -> int:
+        return config_value(config, self.layers_key)
+
+    def read_scalars(self, ckpt, spec, layer, start, stop) -> dict:
+        return {}
+
+    def input_scales(self, ckpt, spec, layer):
+        return None
+
+
+# -- facts derived from the protocol ----------------------------------------------------------------
+#: The most experts a trtllm-gen routing kernel takes (FlashInfer 0.7.2 routing: 2048 for
+#: Renormalize, fewer for grouped DeepSeekV3); larger counts in a config are refused up front.
+MAX_EXPERTS = 2048
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def config_value(config: dict, key: str):
+    """``config["a"]["b"]`` for ``key`` "a.b" (None where missing)."""
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def positive_ints(cfg: dict, where, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] <= 0:
+            raise MoeshardError(f"{where}: {key}: expected a positive integer, found {cfg.get(key)!r}")
+
+
+def check_sizes(adapter: Adapter, config: dict, names: Iterable[str], where) -> None:
+    """Refuse layer and expert counts that are not positive integers or exceed what the checkpoint's
+    tensor names hold (or the kernel routes), before anything is built from them."""
+    names = list(names)
+    layers = 1 + max((int(m.group(1)) for n in names if (m := _LAYER.search(n))), default=-1)
+    experts = 1 + max((int(m.group(1)) for n in names if (m := _EXPERT.search(n))), default=-1)
+    for key, limit, what in ((adapter.layers_key, layers, "the layers present in the checkpoint"),
+                             (adapter.experts_key, min(experts or MAX_EXPERTS, MAX_EXPERTS),
+                              "the experts present in the checkpoint" if experts else
+                              "the most a trtllm-gen routing kernel takes")):
+        v = config_value(config, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise MoeshardError(f"{where}: {key}: expected a positive integer, found {v!r}")
+        if v > limit:
+            raise MoeshardError(f"{where}: {key}: expected at most {limit} ({what}), found {v}")
+
+
+def expert_index(name: str, prefix: str) -> int | None:
+    """The expert number of a per-expert tensor ``{prefix}.{e}.…`` (None for a tensor of the
+    layer's fused experts). ``prefix`` ends without a dot."""
+    head = name[len(prefix) + 1:].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def needed_tensors(adapter: Adapter, config: dict, names: Iterable[str], experts: set[int] | None,
+                   common: bool) -> set[str]:
+    """The tensor names of ``names`` a (rank-only) conversion reads.
+
+    - per-expert families: the chosen ``experts``' tensors (all with ``experts`` None), plus every
+      expert's :attr:`Adapter.shared_leaves` (NVFP4 activation scales are maxima over all experts
+      of the layer);
+    - fused families: the whole fused tensors (each rank reads its slice);
+    - the routers (to validate the ranks), and, with ``common``, every non-expert tensor.
+    """
+    layers = adapter.moe_layers(config)
+    prefixes = {adapter.prefix.format(layer=layer) for layer in layers}
+    routers = {t.format(layer=layer) for layer in layers for t in adapter.router.values()}
+    out = set()
+    for name in names:
+        prefix = next((p for p in prefixes if name.startswith(p + ".")), None)
+        if prefix is None:
+            if common or name in routers:
+                out.add(name)
+            continue
+        e = expert_index(name, prefix)
+        if e is None or experts is None or e in experts or name.endswith(tuple("." + x for x in adapter.shared_leaves)):
+            out.add(name)
+    return out
+
+
+#: The canonical fields that are tensors of rows (the rest are per-expert scalars).
+ROW_FIELDS = ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias")
+
+
+def read_experts(adapter: Adapter, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int,
+                 stop: int) -> CanonicalExperts:
+    """Experts ``[start, stop)`` of one layer in canonical form, unpadded."""
+    from moeshard.layouts.canonical import CanonicalExperts
+
+    fields = {}
+    for f in ROW_FIELDS:
+        if (got := adapter.read_raw(ckpt, spec, layer, f, start, stop)) is not None:
+            src, rows = got
+            fields[f] = src if rows is None else src.index_select(1, rows)
+    return CanonicalExperts(**fields, **adapter.read_scalars(ckpt, spec, layer, start, stop))
+
+
+def expert_runs(experts: Iterable[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive expert ids, in order: ``[(start, stop), ...]``."""
+    runs: list[list[int]] = []
+    for x in experts:
+        if runs and runs[-1][1] == x:
+            runs[-1][1] += 1
+        else:
+            runs.append([x, x + 1])
+    return [(a, b) for a, b in runs]
+
+
+def read_rank_experts(adapter: Adapter, ckpt: Checkpoint, spec: ModelSpec, layer: int, experts,
+                      i_start: int, i_stop: int, tp_rank: int) -> CanonicalExperts:
+    """One rank's canonical experts of one layer, unpadded: its experts (one read per run of
+    consecutive experts), its TP slice of the intermediate dimension, and the down-projection
+    bias only on TP rank 0 (zeros elsewhere, as vLLM loads it: the row-parallel outputs are
+    summed). The reference path (validate); convert reads the same in place."""
+    import torch
+
+    from moeshard.layouts.canonical import concat_experts, slice_intermediate
+
+    c = concat_experts([read_experts(adapter, ckpt, spec, layer, a, b) for a, b in expert_runs(experts)])
+    if (i_start, i_stop) != (0, spec.intermediate_size):
+        c = slice_intermediate(c, i_start, i_stop)
+    if tp_rank > 0 and c.w2_bias is not None:
+        c = c.replace(w2_bias=torch.zeros_like(c.w2_bias))
+    return c

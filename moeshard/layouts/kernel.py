@@ -1,0 +1,171 @@
+"""FlashInfer's ``trtllm_fp4_block_scale_moe`` as data: the table of kernel tensors (name, dtype,
+shape rule, what it is made of), the routing and activation enums, the kernel scalars, and the
+static arguments of one rank and layer.
+
+The plan (which tensors a rank file holds), the converter (which canonical field each is made
+of), :func:`moeshard.load_rank` and the trtllm-gen validation backend (which arguments the kernel
+gets) all derive from :data:`KERNEL_TENSORS`. Pure: no files, families or devices.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+class RoutingMethod(enum.IntEnum):
+    """``flashinfer.tllm_enums.RoutingMethodType`` (the values the kernel takes)."""
+
+    Default = 0  # Softmax -> TopK
+    Renormalize = 1  # TopK -> Softmax (GPT-OSS)
+    DeepSeekV3 = 2  # Sigmoid, + bias for the choice, grouped TopK, renormalise, x scaling factor
+    Llama4 = 3  # Top1 -> Sigmoid
+    RenormalizeNaive = 4  # Softmax -> TopK -> renormalise
+
+
+class ActivationType(enum.IntEnum):
+    """``flashinfer.tllm_enums.ActivationType`` (FP4 MoE: gated SwiGLU, with GPT-OSS's clamp and
+    alpha/beta given as the ``gemm1_alpha/beta/clamp_limit`` tensors)."""
+
+    Swiglu = 3
+
+
+#: Which tensors a layer has, by what the checkpoint brings.
+WEIGHTS, BIASES, SWIGLU_OAI, NVFP4 = "weights", "biases", "swiglu_oai", "nvfp4"
+
+
+@dataclass(frozen=True)
+class KernelTensor:
+    """One tensor of a rank's layer, named as FlashInfer's parameter (``hidden_states_scale_global``:
+    the global scale to quantize the hidden states with, not a kernel argument itself)."""
+
+    name: str
+    dtype: str  # safetensors dtype code
+    shape: Callable[[int, int, int, int], tuple[int, ...]]  # (local experts, H padded, I padded, sf) -> shape
+    field: str | None  # the canonical field it is made of (None: a scalar computed by kernel_scalars)
+    group: str  # WEIGHTS, BIASES, SWIGLU_OAI or NVFP4
+    kernel_arg: bool = True
+
+
+#: Every kernel tensor, in the order files are written (the writer then puts wider dtypes first).
+KERNEL_TENSORS = (
+    KernelTensor("gemm1_weights", "U8", lambda e, h, i, sf: (e, 2 * i, h // 2), "w13", WEIGHTS),
+    KernelTensor("gemm1_weights_scale", "F8_E4M3", lambda e, h, i, sf: (e, 2 * i, h // sf), "w13_scale", WEIGHTS),
+    KernelTensor("gemm2_weights", "U8", lambda e, h, i, sf: (e, h, i // 2), "w2", WEIGHTS),
+    KernelTensor("gemm2_weights_scale", "F8_E4M3", lambda e, h, i, sf: (e, h, i // sf), "w2_scale", WEIGHTS),
+    KernelTensor("gemm1_bias", "F32", lambda e, h, i, sf: (e, 2 * i), "w13_bias", BIASES),
+    KernelTensor("gemm2_bias", "F32", lambda e, h, i, sf: (e, h), "w2_bias", BIASES),
+    KernelTensor("gemm1_alpha", "F32", lambda e, h, i, sf: (e,), None, SWIGLU_OAI),
+    KernelTensor("gemm1_beta", "F32", lambda e, h, i, sf: (e,), None, SWIGLU_OAI),
+    KernelTensor("gemm1_clamp_limit", "F32", lambda e, h, i, sf: (e,), None, SWIGLU_OAI),
+    KernelTensor("output1_scale_scalar", "F32", lambda e, h, i, sf: (e,), None, NVFP4),
+    KernelTensor("output1_scale_gate_scalar", "F32", lambda e, h, i, sf: (e,), None, NVFP4),
+    KernelTensor("output2_scale_scalar", "F32", lambda e, h, i, sf: (e,), None, NVFP4),
+    KernelTensor("hidden_states_scale_global", "F32", lambda e, h, i, sf: (), None, NVFP4, kernel_arg=False),
+)
+#: Kernel tensor name -> the canonical field it is made of (the row tensors).
+KERNEL_FIELDS = {t.name: t.field for t in KERNEL_TENSORS if t.field}
+#: The tensor arguments of ``trtllm_fp4_block_scale_moe`` a rank provides (absent ones are None).
+TENSOR_ARGS = tuple(t.name for t in KERNEL_TENSORS if t.kernel_arg)
+
+
+def kernel_tensors(groups: set[str] | frozenset[str]) -> list[KernelTensor]:
+    """The kernel tensors of a layer with these groups (always WEIGHTS; BIASES and SWIGLU_OAI for
+    GPT-OSS; NVFP4 for NVFP4 weights), in file order."""
+    return [t for t in KERNEL_TENSORS if t.group in groups]
+
+
+def kernel_shape_problems(h_pad: int, i_pad: int, sf: int) -> list[str]:
+    """Why padded sizes ``h_pad``, ``i_pad`` do not fit the trtllm-gen layout without interleave
+    padding (rows multiples of 128, scale columns of 4, sizes of the scale block); [] if they do."""
+    problems = []
+    if h_pad % 128:
+        problems.append(f"hidden size {h_pad} (gemm2 rows) not a multiple of 128")
+    if (2 * i_pad) % 128:
+        problems.append(f"2 x intermediate size {2 * i_pad} (gemm1 rows) not a multiple of 128")
+    if (h_pad // sf) % 4 or (i_pad // sf) % 4:
+        problems.append(f"scale columns {h_pad // sf}, {i_pad // sf} not multiples of 4")
+    if h_pad % sf or i_pad % sf:
+        problems.append(f"sizes {h_pad}, {i_pad} not multiples of the scale block {sf}")
+    return problems
+
+
+# -- kernel scalars -------------------------------------------------------------------------------
+def swiglu_oai_scalars(num_experts: int, limit: float, alpha: float, beta: float) -> dict[str, torch.Tensor]:
+    """``gemm1_alpha``, ``gemm1_beta``, ``gemm1_clamp_limit``: float32 ``[E]`` each (GPT-OSS's
+    clamped SwiGLU: ``(clamp(up, ±limit) + beta) * g * sigmoid(alpha * g)``, g = min(gate, limit))."""
+    full = lambda v: torch.full((num_experts,), v, dtype=torch.float32)  # noqa: E731
+    return {"gemm1_alpha": full(alpha), "gemm1_beta": full(beta), "gemm1_clamp_limit": full(limit)}
+
+
+def nvfp4_scalars(w13_scale_2: torch.Tensor, w2_scale_2: torch.Tensor, a13: torch.Tensor,
+                  a2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Kernel scalars of an NVFP4 x NVFP4 layer, as vLLM's ModelOpt NVFP4 trtllm path computes them.
+
+    Parameters
+    ----------
+    w13_scale_2, w2_scale_2 : ``[E]`` float32, the local experts' ``weight_scale_2``
+    a13, a2 : ``[]`` float32, maxima of the GEMM1 / GEMM2 ``input_scale`` over ALL experts of
+        the layer (so identical on every rank)
+
+    Returns
+    -------
+    ``output1_scale_gate_scalar = a13 * w13_scale_2``, ``output1_scale_scalar =
+    output1_scale_gate_scalar * (1 / a2)``, ``output2_scale_scalar = a2 * w2_scale_2`` (float32
+    ``[E]``), and ``hidden_states_scale_global = 1 / a13`` (float32 ``[]``), the global scale
+    to quantize the hidden states with. Multiplying by ``1 / a2`` (not dividing by a2) is
+    vLLM's ``g1_scale_c = w2_input_scale_quant * g1_alphas``; the two differ by at most one ulp.
+    """
+    a13, a2 = a13.float(), a2.float()
+    gate = (a13 * w13_scale_2.float()).float()
+    return {
+        "output1_scale_gate_scalar": gate,
+        "output1_scale_scalar": (1.0 / a2) * gate,
+        "output2_scale_scalar": (a2 * w2_scale_2.float()).float(),
+        "hidden_states_scale_global": (1.0 / a13).reshape(()),
+    }
+
+
+def kernel_scalars(activation: dict, n: int, w13_scale_2: torch.Tensor | None = None,
+                   w2_scale_2: torch.Tensor | None = None,
+                   input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The kernel scalars of ``n`` experts: the SwiGLU-OAI constants of ``activation`` (GPT-OSS),
+    and, given ``weight_scale_2`` (``[n]``) and the layer's ``(a13, a2)``, NVFP4's output scales.
+    Float32 ``[n]`` each (``hidden_states_scale_global`` ``[]``)."""
+    out: dict[str, torch.Tensor] = {}
+    if activation["type"] == "swiglu_oai":
+        out.update(swiglu_oai_scalars(n, activation["limit"], activation["alpha"], activation["beta"]))
+    if input_scales is not None:
+        out.update(nvfp4_scalars(w13_scale_2, w2_scale_2, *input_scales))
+    return out
+
+
+# -- the kernel's static arguments ----------------------------------------------------------------
+def static_kernel_args(tensors: dict[str, torch.Tensor], kernel_args: dict, rank: dict) -> dict:
+    """Every argument of ``trtllm_fp4_block_scale_moe`` that does not depend on the tokens.
+
+    Parameters
+    ----------
+    tensors : the rank's tensors of one layer, keyed by FlashInfer parameter name
+    kernel_args : the manifest's ``kernel_args`` of the layer
+    rank : ``local_expert_offset`` and ``local_num_experts`` of the rank
+
+    The caller adds ``routing_logits`` ``[T, num_experts]`` (f32 or bf16), ``routing_bias``
+    (DeepSeek: ``e_score_correction_bias``), ``hidden_states`` (bf16 ``[T, hidden_size]`` for
+    MXFP4; NVFP4 packed ``[T, hidden_size/2]`` uint8 quantized with
+    ``hidden_states_scale_global``) and ``hidden_states_scale``.
+    """
+    if rank.get("local_expert_offset") is None:
+        raise ValueError("round-robin ranks have no local_expert_offset: the trtllm-gen kernel needs "
+                         "contiguous experts")
+    args = {name: tensors.get(name) for name in TENSOR_ARGS}
+    args.update(num_experts=kernel_args["num_experts"], top_k=kernel_args["top_k"], n_group=kernel_args.get("n_group"),
+                topk_group=kernel_args.get("topk_group"), intermediate_size=kernel_args["intermediate_size"],
+                local_expert_offset=rank["local_expert_offset"], local_num_experts=rank["local_num_experts"],
+                routed_scaling_factor=kernel_args.get("routed_scaling_factor"),
+                routing_method_type=kernel_args["routing_method_type"],
+                activation_type=kernel_args.get("activation_type", ActivationType.Swiglu), do_finalize=True)
+    return args
