@@ -191,13 +191,13 @@ def convert(
     quiet: QuietOpt = False,
 ) -> None:
     """Convert a checkpoint into trtllm-gen layout, one folder per rank."""
-    from moeshard.convert.pipeline import convert as run
+    from moeshard.convert.pipeline import convert as convert_checkpoint
 
     kw = dict(ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
               max_shard_bytes=parse_size(max_shard_size), ranks=parse_ints(ranks), common=common, revision=revision,
               cache_dir=cache_dir, token=token)
     if dry_run:
-        plan = run(source, output, dry_run=True, **kw)
+        plan = convert_checkpoint(source, output, dry_run=True, **kw)
         doc = plan.to_json()
         out_console.print_json(json.dumps(doc)) if as_json else out_console.print(
             f"plan: {plural(len(plan.ranks), 'rank')}, {plural(sum(len(r.files) for r in plan.ranks), 'rank file')}, "
@@ -206,7 +206,8 @@ def convert(
         return
     ctx, tick = _progress(not (as_json or quiet), description="converting", in_bytes=True)
     with ctx:
-        res = run(source, output, overwrite=overwrite, resume=resume, device=device, progress=tick, **kw)
+        res = convert_checkpoint(source, output, overwrite=overwrite, resume=resume, device=device, progress=tick,
+                                 **kw)
     if res.manifest is None:  # a torchrun process other than 0: process 0 reports
         return
     m = res.manifest
@@ -309,15 +310,15 @@ def verify(
     quiet: QuietOpt = False,
 ) -> None:
     """Re-hash every file against the manifest (sha256); exit 1 on any problem."""
-    from moeshard.artifact.verify import as_json as to_json
-    from moeshard.artifact.verify import verify as run
+    from moeshard.artifact.verify import as_json as checks_json
+    from moeshard.artifact.verify import verify as verify_artifact
 
     ctx, tick = _progress(not (as_json or quiet), description="verifying", in_bytes=True)
     with ctx:
-        checks = run(artifact, progress=tick)
+        checks = verify_artifact(artifact, progress=tick)
     bad = [c for c in checks if not c.ok]
     if as_json:
-        out_console.print_json(json.dumps(to_json(checks)))
+        out_console.print_json(json.dumps(checks_json(checks)))
     else:
         for c in bad:
             err_console.print(f"FAIL: {artifact / c.path}: {c.problem}", markup=False)
@@ -338,9 +339,9 @@ def push(
     as_json: JsonOpt = False,
 ) -> None:
     """Upload the files the manifest lists, with a generated model card, in one commit."""
-    from moeshard.artifact.push import push as run
+    from moeshard.artifact.push import push as push_artifact
 
-    info = run(artifact, repo_id, revision=revision, private=private, token=token)
+    info = push_artifact(artifact, repo_id, revision=revision, private=private, token=token)
     url = getattr(info, "commit_url", None) or str(info)
     out_console.print_json(json.dumps({"repo_id": repo_id, "commit": url})) if as_json else out_console.print(url)
 
@@ -384,11 +385,11 @@ def validate(
     quiet: QuietOpt = False,
 ) -> None:
     """Run the MoE on every rank shard against the source; exit 1 on any failure."""
-    from moeshard.validate import validate as run
+    from moeshard.validate import validate as validate_artifact
 
     ctx, tick = _progress(not (as_json or quiet), description="validating")
     with ctx:
-        report = run(artifact, source=source, layers=parse_ints(layers), ranks=parse_ints(ranks), tokens=tokens,
+        report = validate_artifact(artifact, source=source, layers=parse_ints(layers), ranks=parse_ints(ranks), tokens=tokens,
                      seed=seed, backend=backend, device=device, progress=tick)
     _print_report(report, as_json)
     if not report.passed:
