@@ -52,7 +52,7 @@ with Checkpoint(sys.argv[1]) as ck:
         else:
             c = read_experts(a, ck, spec, layer, 0, spec.num_experts)
             a13, a2 = a.input_scales(ck, spec, layer)
-            vllm_nvfp4_trtllm(c.w13, c.w13_scale, c.w2, c.w2_scale, c.w13_scale_2, c.w2_scale_2, a13, a2,
+            vllm_nvfp4_trtllm(c.w13, c.w13_scale, c.w2, c.w2_scale, c.w1_scale_2, c.w2_scale_2, a13, a2,
                               interleave=per_expert)
     print(ck.bytes_read)
 '''

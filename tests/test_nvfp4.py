@@ -42,7 +42,8 @@ def source_experts(src: Checkpoint, family: str, layer: int, e0: int, e1: int) -
             "s3": torch.stack([rd(x, "up_proj", "weight_scale").view(torch.uint8) for x in xs]),
             "w2": torch.stack([rd(x, "down_proj", "weight") for x in xs]),
             "s2": torch.stack([rd(x, "down_proj", "weight_scale").view(torch.uint8) for x in xs]),
-            "w13_scale_2": torch.stack([scalar(src, f"{p}.{x}.gate_proj.weight_scale_2") for x in xs]),
+            "w1_scale_2": torch.stack([scalar(src, f"{p}.{x}.gate_proj.weight_scale_2") for x in xs]),
+            "w3_scale_2": torch.stack([scalar(src, f"{p}.{x}.up_proj.weight_scale_2") for x in xs]),
             "w2_scale_2": torch.stack([scalar(src, f"{p}.{x}.down_proj.weight_scale_2") for x in xs]),
             "a13": max(scalar(src, f"{p}.{x}.{proj}.input_scale") for x in range(e_all)
                        for proj in ("gate_proj", "up_proj")),
@@ -56,7 +57,8 @@ def source_experts(src: Checkpoint, family: str, layer: int, e0: int, e1: int) -
     return {"w1": gu[:, :i], "w3": gu[:, i:], "s1": gs[:, :i], "s3": gs[:, i:],
             "w2": src.read(f"{p}.down_proj", e0, e1).transpose(1, 2),
             "s2": src.read(f"{p}.down_proj_weight_scale", e0, e1).view(torch.uint8).transpose(1, 2),
-            "w13_scale_2": scalar(src, f"{p}.gate_up_proj_weight_scale_2").expand(n),
+            "w1_scale_2": scalar(src, f"{p}.gate_up_proj_weight_scale_2").expand(n),
+            "w3_scale_2": scalar(src, f"{p}.gate_up_proj_weight_scale_2").expand(n),
             "w2_scale_2": scalar(src, f"{p}.down_proj_weight_scale_2").expand(n),
             "a13": scalar(src, f"{p}.gate_up_proj_input_scale"), "a2": scalar(src, f"{p}.down_proj_input_scale")}
 
@@ -83,7 +85,7 @@ def test_rank_bytes_equal_vllm_flashinfer(request, artifacts, family, ep_size, p
                     pad_w13(torch.cat((s["w3"], s["w1"]), 1), i_pad, h_pad // 2),
                     pad_w13(torch.cat((s["s3"], s["s1"]), 1), i_pad, h_pad // 16),
                     pad_2d(s["w2"], h_pad, i_pad // 2), pad_2d(s["s2"], h_pad, i_pad // 16),
-                    s["w13_scale_2"], s["w2_scale_2"], s["a13"], s["a2"])
+                    s["w1_scale_2"], s["w2_scale_2"], s["a13"], s["a2"], w3_scale_2=s["w3_scale_2"])
                 got = rank_tensors(out, rank, layer["prefix"])
                 assert sorted(got) == sorted(want)
                 for leaf, t in want.items():
@@ -104,9 +106,9 @@ def test_kernel_scalars_by_hand_and_identical_on_every_rank(request, artifacts, 
                 s = source_experts(src, family, layer["layer"], e0, e1)
                 t = rank_tensors(out, rank, layer["prefix"])
                 a13, a2 = s["a13"].double(), s["a2"].double()
-                gate = a13 * s["w13_scale_2"].double()
+                gate, up = a13 * s["w1_scale_2"].double(), a13 * s["w3_scale_2"].double()
                 torch.testing.assert_close(t["output1_scale_gate_scalar"].double(), gate, rtol=2**-23, atol=0)
-                torch.testing.assert_close(t["output1_scale_scalar"].double(), gate / a2, rtol=2**-22, atol=0)
+                torch.testing.assert_close(t["output1_scale_scalar"].double(), up / a2, rtol=2**-22, atol=0)
                 torch.testing.assert_close(t["output2_scale_scalar"].double(), a2 * s["w2_scale_2"].double(),
                                            rtol=2**-23, atol=0)
                 assert t["hidden_states_scale_global"].shape == ()
@@ -133,8 +135,10 @@ def test_decode_gives_source_bytes_and_zero_padding(request, artifacts, family, 
                 assert torch.equal(c.w13_scale, pad_w13(torch.cat((s["s3"], s["s1"]), 1), ip, c.hidden_size // 16))
                 assert torch.equal(c.w2, pad_2d(s["w2"], c.hidden_size, ip // 2))
                 assert torch.equal(c.w2_scale, pad_2d(s["s2"], c.hidden_size, ip // 16))
-                torch.testing.assert_close(c.w13_scale_2, s["w13_scale_2"], rtol=1e-6, atol=0)
-                torch.testing.assert_close(c.w2_scale_2, s["w2_scale_2"], rtol=1e-6, atol=0)
+                # What the kernel applies: gate's scale, and along the up path the product up x down.
+                torch.testing.assert_close(c.w1_scale_2, s["w1_scale_2"], rtol=1e-6, atol=0)
+                torch.testing.assert_close(c.w3_scale_2 * c.w2_scale_2, s["w3_scale_2"] * s["w2_scale_2"],
+                                           rtol=1e-6, atol=0)
                 assert (h, i) == (s["w2"].shape[1], s["w1"].shape[1])
 
 
@@ -213,20 +217,54 @@ def test_sum_over_ranks_matches_transformers(request, artifacts, family, ep_size
             torch.testing.assert_close(total[:, :h], want, rtol=1e-5, atol=1e-5)
 
 
-def test_deepseek_unequal_gate_up_scale_2_is_refused(tmp_path, deepseek_tiny):
+def test_unequal_gate_up_scale_2_converted_exactly(tmp_path, deepseek_tiny):
+    """Gate and up with different weight_scale_2: the artifact's MoE is the source's (gate's scale
+    in output1_scale_gate_scalar, up's in output1_scale_scalar), while vLLM's rule (gate's scale
+    for both halves) is off by s_up / s_gate on the up half, so on the expert's whole output."""
     from safetensors.torch import load_file, save_file
 
-    src = tmp_path / "bad"
+    from moeshard.layouts.kernel import nvfp4_scalars
+    from moeshard.validate import validate
+
+    src = tmp_path / "src"
     shutil.copytree(deepseek_tiny, src)
-    name = "model.layers.1.mlp.experts.3.up_proj.weight_scale_2"
+    p, x = "model.layers.1.mlp.experts", 3
+    name = f"{p}.{x}.up_proj.weight_scale_2"
     with Checkpoint(src) as ck:
         f = src / ck.info(name).file
     t = load_file(f)
-    t[name] = t[name] * 2
+    t[name] = t[name] * 2  # a checkpoint whose up projection is twice as large, stored with its own scale
     save_file(t, f)
-    with pytest.raises(MoeshardError, match=r"experts\.3\.up_proj\.weight_scale_2: expected the gate_proj value"):
-        convert(src, tmp_path / "out", ep_size=2)
-    assert not (tmp_path / "out" / "moeshard.json").exists()
+    out = tmp_path / "out"
+    convert(src, out, ep_size=2)
+    assert validate(out).passed
+    m = read_manifest(out)
+    rank = next(r for r in m["ranks"] if x in r["experts"])
+    layer = next(e for e in m["moe_layers"] if e["layer"] == 1)
+    kt = rank_tensors(out, rank, layer["prefix"])
+    with Checkpoint(src) as ck:
+        s = source_experts(ck, "deepseek_tiny", 1, rank["experts"][0], rank["experts"][-1] + 1)
+    k = rank["experts"].index(x)
+    assert s["w3_scale_2"][k] == 2 * s["w1_scale_2"][k]
+    tokens = torch.randn(16, 192, generator=torch.Generator().manual_seed(0))
+    ones, one = torch.ones(16, 1), torch.full((16, 1), x)
+
+    def expert_out(tensors):
+        c = from_trtllm(tensors)
+        y = moe_forward(torch.nn.functional.pad(tokens, (0, 64)), expert_fn(c, QuantFormat.NVFP4, "cpu"),
+                        rank["experts"], one, ones, {"type": "swiglu"})
+        return y[:, :192]
+
+    with Checkpoint(src) as ck:
+        ref = transformers_deepseek_moe(ck, 1)
+        with torch.no_grad():
+            g, u = ref.experts.gate_up_proj[x].chunk(2)
+            want = (torch.nn.functional.silu(tokens @ g.T) * (tokens @ u.T)) @ ref.experts.down_proj[x].T
+    assert want.abs().max() > 0.05
+    torch.testing.assert_close(expert_out(kt), want, rtol=1e-5, atol=1e-5)
+    vllm = nvfp4_scalars(s["w1_scale_2"], s["w1_scale_2"], s["w2_scale_2"], s["a13"], s["a2"])  # gate's for both
+    assert not torch.equal(vllm["output1_scale_scalar"], kt["output1_scale_scalar"])
+    torch.testing.assert_close(expert_out({**kt, **vllm}), want * 0.5, rtol=1e-5, atol=1e-5)
 
 
 def test_routing_args_in_manifest(artifacts):

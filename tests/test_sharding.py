@@ -64,7 +64,7 @@ def vllm_nvfp4_rank(src: Checkpoint, family: str, layer: int, experts: list[int]
     s2 = s["s2"][:, :, tp_rank * shard // 16:(tp_rank + 1) * shard // 16]
     return vllm_nvfp4_trtllm(pad_w13(w13, i_pad, h_pad // 2), pad_w13(s13, i_pad, h_pad // 16),
                              pad_2d(w2, h_pad, i_pad // 2), pad_2d(s2, h_pad, i_pad // 16),
-                             s["w13_scale_2"], s["w2_scale_2"], s["a13"], s["a2"])
+                             s["w1_scale_2"], s["w2_scale_2"], s["a13"], s["a2"], w3_scale_2=s["w3_scale_2"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

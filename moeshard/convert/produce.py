@@ -53,8 +53,8 @@ def layer_scalars(plan: Plan, ckpt: Checkpoint, adapter: Adapter, layer: int, ra
     parts = [adapter.read_scalars(ckpt, spec, layer, a, b) for a, b in expert_runs(rank.experts)]
     if not parts[0]:  # no per-expert scales (MXFP4)
         return kernel_scalars(spec.activation, n)
-    return kernel_scalars(spec.activation, n, torch.cat([p["w13_scale_2"] for p in parts]),
-                          torch.cat([p["w2_scale_2"] for p in parts]),
+    scale_2 = {k: torch.cat([p[k] for p in parts]) for k in ("w1_scale_2", "w3_scale_2", "w2_scale_2")}
+    return kernel_scalars(spec.activation, n, scale_2,
                           input_scales if input_scales is not None else adapter.input_scales(ckpt, spec, layer))
 
 

@@ -26,8 +26,11 @@ class CanonicalExperts:
     w2 : ``[E, H, I // 2]`` uint8
     w2_scale : ``[E, H, I // sf]`` uint8
     w13_bias, w2_bias : ``[E, 2*I]``, ``[E, H]`` float32, or None (GPT-OSS only).
-    w13_scale_2, w2_scale_2 : ``[E]`` float32 or None
-        NVFP4 per-tensor weight scale (``weight_scale_2``).
+    w1_scale_2, w3_scale_2, w2_scale_2 : ``[E]`` float32 or None
+        NVFP4 per-tensor weight scale (``weight_scale_2``) of gate (w1), up (w3) and down (w2);
+        gate and up may differ. Read back from an artifact (:func:`from_trtllm`) they are the
+        factors the kernel applies relative to unquantized activations, whose product along the
+        up path (``w3_scale_2 * w2_scale_2``) is what the source's is.
     w13_input_scale, w2_input_scale : ``[E]`` float32 or None
         NVFP4 activation scale (``input_scale``).
     """
@@ -38,7 +41,8 @@ class CanonicalExperts:
     w2_scale: torch.Tensor
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
-    w13_scale_2: torch.Tensor | None = None
+    w1_scale_2: torch.Tensor | None = None
+    w3_scale_2: torch.Tensor | None = None
     w2_scale_2: torch.Tensor | None = None
     w13_input_scale: torch.Tensor | None = None
     w2_input_scale: torch.Tensor | None = None

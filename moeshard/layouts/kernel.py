@@ -101,45 +101,53 @@ def swiglu_oai_scalars(num_experts: int, limit: float, alpha: float, beta: float
     return {"gemm1_alpha": full(alpha), "gemm1_beta": full(beta), "gemm1_clamp_limit": full(limit)}
 
 
-def nvfp4_scalars(w13_scale_2: torch.Tensor, w2_scale_2: torch.Tensor, a13: torch.Tensor,
-                  a2: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Kernel scalars of an NVFP4 x NVFP4 layer, as vLLM's ModelOpt NVFP4 trtllm path computes them.
+def nvfp4_scalars(w1_scale_2: torch.Tensor, w3_scale_2: torch.Tensor, w2_scale_2: torch.Tensor,
+                  a13: torch.Tensor, a2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Kernel scalars of an NVFP4 x NVFP4 layer, exact when gate and up have different scales.
 
     Parameters
     ----------
-    w13_scale_2, w2_scale_2 : ``[E]`` float32, the local experts' ``weight_scale_2``
+    w1_scale_2, w3_scale_2, w2_scale_2 : ``[E]`` float32, the local experts' ``weight_scale_2`` of
+        gate (w1), up (w3) and down (w2)
     a13, a2 : ``[]`` float32, maxima of the GEMM1 / GEMM2 ``input_scale`` over ALL experts of
         the layer (so identical on every rank)
 
     Returns
     -------
-    ``output1_scale_gate_scalar = a13 * w13_scale_2``, ``output1_scale_scalar =
-    output1_scale_gate_scalar * (1 / a2)``, ``output2_scale_scalar = a2 * w2_scale_2`` (float32
-    ``[E]``), and ``hidden_states_scale_global = 1 / a13`` (float32 ``[]``), the global scale
-    to quantize the hidden states with. Multiplying by ``1 / a2`` (not dividing by a2) is
-    vLLM's ``g1_scale_c = w2_input_scale_quant * g1_alphas``; the two differ by at most one ulp.
+    ``output1_scale_gate_scalar = a13 * w1_scale_2``, ``output1_scale_scalar = (1 / a2) *
+    (a13 * w3_scale_2)``, ``output2_scale_scalar = a2 * w2_scale_2`` (float32 ``[E]``), and
+    ``hidden_states_scale_global = 1 / a13`` (float32 ``[]``), the global scale to quantize the
+    hidden states with.
+
+    The kernel's gated activation is ``scaleC * x0 * (x1 * scaleGate) * sigmoid(x1 * scaleGate)``
+    with x0 = up and x1 = gate raw GEMM outputs, scaleGate = ``output1_scale_gate_scalar`` and
+    scaleC = ``output1_scale_scalar`` (FlashInfer ``include/flashinfer/trtllm/batched_gemm/
+    KernelRunner.h``, ActType), so the up half's dequantization lives in ``output1_scale_scalar``
+    and the gate half's in ``output1_scale_gate_scalar``. vLLM applies gate's scale to both
+    halves (``w13_weight_scale_2[:, 0]``); where the two are equal the bytes are vLLM's, whose
+    ``g1_scale_c = w2_input_scale_quant * g1_alphas`` multiplies by ``1 / a2`` (one ulp from
+    dividing by a2).
     """
     a13, a2 = a13.float(), a2.float()
-    gate = (a13 * w13_scale_2.float()).float()
     return {
-        "output1_scale_gate_scalar": gate,
-        "output1_scale_scalar": (1.0 / a2) * gate,
+        "output1_scale_gate_scalar": (a13 * w1_scale_2.float()).float(),
+        "output1_scale_scalar": (1.0 / a2) * (a13 * w3_scale_2.float()).float(),
         "output2_scale_scalar": (a2 * w2_scale_2.float()).float(),
         "hidden_states_scale_global": (1.0 / a13).reshape(()),
     }
 
 
-def kernel_scalars(activation: dict, n: int, w13_scale_2: torch.Tensor | None = None,
-                   w2_scale_2: torch.Tensor | None = None,
+def kernel_scalars(activation: dict, n: int, scale_2: dict[str, torch.Tensor] | None = None,
                    input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The kernel scalars of ``n`` experts: the SwiGLU-OAI constants of ``activation`` (GPT-OSS),
-    and, given ``weight_scale_2`` (``[n]``) and the layer's ``(a13, a2)``, NVFP4's output scales.
-    Float32 ``[n]`` each (``hidden_states_scale_global`` ``[]``)."""
+    and, given ``scale_2`` (``w1_scale_2``, ``w3_scale_2``, ``w2_scale_2``: ``[n]`` each) and the
+    layer's ``(a13, a2)``, NVFP4's output scales. Float32 ``[n]`` each
+    (``hidden_states_scale_global`` ``[]``)."""
     out: dict[str, torch.Tensor] = {}
     if activation["type"] == "swiglu_oai":
         out.update(swiglu_oai_scalars(n, activation["limit"], activation["alpha"], activation["beta"]))
     if input_scales is not None:
-        out.update(nvfp4_scalars(w13_scale_2, w2_scale_2, *input_scales))
+        out.update(nvfp4_scalars(scale_2["w1_scale_2"], scale_2["w3_scale_2"], scale_2["w2_scale_2"], *input_scales))
     return out
 
 

@@ -225,9 +225,9 @@ def to_trtllm_padded(c: CanonicalExperts, hidden_pad: int, inter_pad: int,
 def from_trtllm(t: dict[str, torch.Tensor], epilogue_tile_m: int = EPILOGUE_TILE_M) -> CanonicalExperts:
     """Read kernel tensors back the way the kernel does: inverse interleave, inverse permutation.
 
-    The inverse of :func:`to_trtllm` (padded canonical experts). For NVFP4, also the inverse of
-    :func:`nvfp4_scalars`: ``w13_scale_2``, ``w2_scale_2`` and the input scales ``[E]`` float32
-    that the kernel scalars imply.
+    The inverse of :func:`to_trtllm` (padded canonical experts). For NVFP4, also what the kernel
+    scalars (:func:`~moeshard.layouts.kernel.nvfp4_scalars`) apply: ``w1_scale_2``,
+    ``w3_scale_2``, ``w2_scale_2`` ``[E]`` float32 (see below).
     """
     w1, w2 = t["gemm1_weights"], t["gemm2_weights"]
     two_i, h = w1.shape[1], w2.shape[1]
@@ -247,9 +247,10 @@ def from_trtllm(t: dict[str, torch.Tensor], epilogue_tile_m: int = EPILOGUE_TILE
     )
     if "output1_scale_gate_scalar" not in t:
         return c
-    # NVFP4: undo nvfp4_scalars. The kernel's dequantization factors are all that matter, so
-    # the effective weight_scale_2 is whatever the stored scalars imply (exact up to rounding).
+    # NVFP4: the factors the kernel applies to each GEMM's output, relative to unquantized
+    # activations (the hidden states are quantized with 1/a13): gate a13*s1 / a13, up
+    # a13*s3/a2 / a13, down a2*s2. Only the up path's product s3/a2 * a2*s2 is meaningful there
+    # (the kernel never sees a2 alone); where gate and up share a scale, a2 is their ratio.
     gate, o1, o2 = t["output1_scale_gate_scalar"], t["output1_scale_scalar"], t["output2_scale_scalar"]
     a13 = 1.0 / t["hidden_states_scale_global"].float()
-    a2 = gate / o1
-    return c.replace(w13_scale_2=gate / a13, w2_scale_2=o2 / a2, w13_input_scale=a13.expand_as(gate), w2_input_scale=a2)
+    return c.replace(w1_scale_2=gate / a13, w3_scale_2=o1 / a13, w2_scale_2=o2)

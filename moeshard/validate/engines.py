@@ -83,7 +83,7 @@ def vllm_gpt_oss_trtllm(blocks13, scales13, bias13, blocks2, scales2, bias2, h_p
 
 def vllm_nvfp4_trtllm(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                       w13_scale_2: torch.Tensor, w2_scale_2: torch.Tensor, a13: torch.Tensor, a2: torch.Tensor,
-                      interleave=None) -> dict[str, torch.Tensor]:
+                      interleave=None, w3_scale_2: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """vLLM's ModelOpt NVFP4 -> trtllm-gen preparation (``prepare_static_weights_for_trtllm_fp4_moe``
     and the scale math of ``ModelOptNvFp4FusedMoE.process_weights_after_loading``), per expert.
 
@@ -91,7 +91,9 @@ def vllm_nvfp4_trtllm(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2
     after any zero padding: ``w13 [E, 2I, H/2]`` uint8, ``s13 [E, 2I, H/16]`` uint8 (E4M3 bytes),
     ``w2 [E, H, I/2]``, ``s2 [E, H, I/16]``; ``w13_scale_2``/``w2_scale_2`` ``[E]``; ``a13``,
     ``a2`` the layer's maxima of input_scale over all experts; ``interleave`` as for
-    :func:`vllm_gpt_oss_trtllm`.
+    :func:`vllm_gpt_oss_trtllm`. ``w13_scale_2`` is gate's (vLLM takes column 0 for both
+    halves); ``w3_scale_2``, when given, is up's, used for ``output1_scale_scalar`` as the exact
+    fix does (TensorRT-LLM PR #18772: ``g1_scale_c = w2_input_scale_quant * a13 * up_scale_2``).
     """
     from flashinfer.fused_moe.core import _maybe_get_cached_w3_w1_permute_indices, get_w2_permute_indices_with_cache
 
@@ -117,7 +119,8 @@ def vllm_nvfp4_trtllm(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2
         "gemm2_weights": torch.stack(g2w),
         "gemm2_weights_scale": torch.stack(g2s).view(torch.float8_e4m3fn).reshape(e, w2.shape[1], s2.shape[2]),
         "output1_scale_gate_scalar": g1_alphas,
-        "output1_scale_scalar": w2_input_scale_quant * g1_alphas,
+        "output1_scale_scalar": (w2_input_scale_quant * g1_alphas if w3_scale_2 is None else
+                                 w2_input_scale_quant * (a13 * w3_scale_2).to(torch.float32)),
         "output2_scale_scalar": (a2 * w2_scale_2).to(torch.float32),
         "hidden_states_scale_global": (1 / a13).to(torch.float32),
     }

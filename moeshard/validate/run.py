@@ -70,7 +70,9 @@ def expert_fn(c: CanonicalExperts, fmt: QuantFormat, device: str) -> Callable[[i
             w13 = dequantize_mxfp4(c.w13[e].to(device), c.w13_scale[e].to(device))
             w2 = dequantize_mxfp4(c.w2[e].to(device), c.w2_scale[e].to(device))
         else:
-            w13 = dequantize_nvfp4(c.w13[e].to(device), c.w13_scale[e].to(device), c.w13_scale_2[e].to(device))
+            i = c.intermediate_size  # rows [up ; gate]: each half with its own scale
+            s13 = torch.cat((c.w3_scale_2[e].expand(i), c.w1_scale_2[e].expand(i))).to(device).unsqueeze(-1)
+            w13 = dequantize_nvfp4(c.w13[e].to(device), c.w13_scale[e].to(device), 1.0) * s13
             w2 = dequantize_nvfp4(c.w2[e].to(device), c.w2_scale[e].to(device), c.w2_scale_2[e].to(device))
         b13 = None if c.w13_bias is None else c.w13_bias[e].to(device)
         b2 = None if c.w2_bias is None else c.w2_bias[e].to(device)
@@ -260,7 +262,8 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                 if not ok:
                     want_t = to_trtllm_padded(ref, h_pad, i_pad)
                     want_t.update({k: v.to(device) for k, v in
-                                   kernel_scalars(spec.activation, n, ref.w13_scale_2, ref.w2_scale_2, scales).items()})
+                                   kernel_scalars(spec.activation, n, {k: getattr(ref, k) for k in (
+                                       "w1_scale_2", "w3_scale_2", "w2_scale_2")}, scales).items()})
                     bad = _diagnose(kt, want_t, experts)
                     what = (f"padding not zero in {', '.join(leaks)}" if leaks else
                             f"relative error {worst[1]:.3g} > {tol:g}" +

@@ -90,8 +90,8 @@ class Adapter(Protocol):
 
     def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
                      ) -> dict[str, Tensor]:
-        """NVFP4: ``w13_scale_2``, ``w2_scale_2``, ``w13_input_scale``, ``w2_input_scale``
-        ``[n]`` float32 of experts ``[start, stop)``; MXFP4: {}."""
+        """NVFP4: ``w1_scale_2`` (gate), ``w3_scale_2`` (up), ``w2_scale_2``, ``w13_input_scale``,
+        ``w2_input_scale`` ``[n]`` float32 of experts ``[start, stop)``; MXFP4: {}."""
 
     def input_scales(self, ckpt: Checkpoint, spec: ModelSpec, layer: int) -> tuple[Tensor, Tensor] | None:
         """NVFP4: ``(a13, a2)``, the layer's maxima of the GEMM1 / GEMM2 ``input_scale`` over all

@@ -105,24 +105,19 @@ class DeepSeekAdapter(AdapterBase):
 
     def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
                      ) -> dict[str, torch.Tensor]:
-        """``w13_scale_2``, ``w2_scale_2``, ``w13_input_scale``, ``w2_input_scale``: ``[n]`` float32.
-        Gate and up must share ``weight_scale_2`` (the fused GEMM1 has one)."""
+        """``w1_scale_2`` (gate), ``w3_scale_2`` (up), ``w2_scale_2``, ``w13_input_scale``,
+        ``w2_input_scale``: ``[n]`` float32. Gate and up may have different scales."""
         p = spec.prefix(layer)
-        g2, d2, gi, di = [], [], [], []
+        g2, u2, d2, gi, di = [], [], [], [], []
         for x in range(start, stop):
             sc = lambda proj, leaf: read_scalar(ckpt, f"{p}.{x}.{proj}.{leaf}")  # noqa: E731
-            gate_s2, up_s2 = sc("gate_proj", "weight_scale_2"), sc("up_proj", "weight_scale_2")
-            if gate_s2 != up_s2:
-                raise MoeshardError(
-                    f"{ckpt.info(f'{p}.{x}.up_proj.weight_scale_2').file}: {p}.{x}.up_proj.weight_scale_2: expected "
-                    f"the gate_proj value {gate_s2.item()!r} (the fused GEMM1 has one weight_scale_2), found "
-                    f"{up_s2.item()!r}")
-            g2.append(gate_s2)
+            g2.append(sc("gate_proj", "weight_scale_2"))
+            u2.append(sc("up_proj", "weight_scale_2"))
             d2.append(sc("down_proj", "weight_scale_2"))
             gi.append(torch.maximum(sc("gate_proj", "input_scale"), sc("up_proj", "input_scale")))
             di.append(sc("down_proj", "input_scale"))
-        return {"w13_scale_2": torch.stack(g2), "w2_scale_2": torch.stack(d2), "w13_input_scale": torch.stack(gi),
-                "w2_input_scale": torch.stack(di)}
+        return {"w1_scale_2": torch.stack(g2), "w3_scale_2": torch.stack(u2), "w2_scale_2": torch.stack(d2),
+                "w13_input_scale": torch.stack(gi), "w2_input_scale": torch.stack(di)}
 
     def input_scales(self, ckpt: Checkpoint, spec: ModelSpec, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(a13, a2)``: the layer's maxima of GEMM1 and GEMM2 ``input_scale`` over all experts."""

@@ -100,11 +100,12 @@ class Llama4Adapter(AdapterBase):
 
     def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
                      ) -> dict[str, torch.Tensor]:
-        """``w13_scale_2``, ``w2_scale_2``, ``w13_input_scale``, ``w2_input_scale``: ``[n]`` float32
+        """``w1_scale_2``, ``w3_scale_2``, ``w2_scale_2``, ``w13_input_scale``, ``w2_input_scale``: ``[n]`` float32
         (one value per fused tensor, the same for all experts)."""
         p, n = spec.prefix(layer), stop - start
         a13, a2 = self.input_scales(ckpt, spec, layer)
-        values = {"w13_scale_2": read_scalar(ckpt, f"{p}.gate_up_proj_weight_scale_2"),
+        s13 = read_scalar(ckpt, f"{p}.gate_up_proj_weight_scale_2")
+        values = {"w1_scale_2": s13, "w3_scale_2": s13,
                   "w2_scale_2": read_scalar(ckpt, f"{p}.down_proj_weight_scale_2"), "w13_input_scale": a13,
                   "w2_input_scale": a2}
         return {k: v.expand(n).clone() for k, v in values.items()}
