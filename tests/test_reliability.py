@@ -178,10 +178,10 @@ def _cases():
         "config hidden size": ("deepseek_tiny", lambda s: _json_edit(s / "config.json", lambda d: d.update(hidden_size=256)),
                                r"expected shape \[192, 128\] \(from config\.json hidden_size=256"),
         "unknown family": ("gpt_oss_tiny", lambda s: _json_edit(s / "config.json", lambda d: d.update(model_type="mixtral")),
-                           "unsupported checkpoint: expected gpt_oss .* found model_type 'mixtral'"),
+                           "unsupported checkpoint: found model_type 'mixtral'; supported: gpt_oss"),
         "unknown quant method": ("gpt_oss_tiny", lambda s: _json_edit(
             s / "config.json", lambda d: d["quantization_config"].update(quant_method="fp8")),
-            "quantization_config.quant_method: expected 'mxfp4', found 'fp8'"),
+            "quantization_config.quant_method: found 'fp8' .*; supported: mxfp4"),
         "NaN block scale": ("deepseek_tiny", lambda s: _edit_tensor(s, "model.layers.2.mlp.experts.5.up_proj.weight_scale",
                             lambda t: {**t, "model.layers.2.mlp.experts.5.up_proj.weight_scale": _nan_e4m3(
                                 t["model.layers.2.mlp.experts.5.up_proj.weight_scale"])}),

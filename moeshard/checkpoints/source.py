@@ -88,20 +88,22 @@ class Checkpoint:
             raise MoeshardError(f"{self.root}: tensor {name} missing from the checkpoint")
         return self.tensors[name]
 
-    def expect(self, name: str, dtype: str, shape: tuple[int, ...], why: str = "",
+    def expect(self, name: str, dtype: str | tuple[str, ...], shape: tuple[int, ...] | None, why: str = "",
                scalar_ok: bool = False) -> TensorInfo | None:
         """Check one tensor's header, raising a MoeshardError naming file, tensor, expected, found.
 
-        ``why`` says where the expected shape comes from (e.g. the config values), for the message;
-        ``scalar_ok`` accepts ``[1]`` for an expected ``[]``. Returns None, checking nothing, for a
-        tensor of a partial checkpoint that was not downloaded.
+        ``dtype``: a dtype code or the codes accepted; ``shape`` None: any; ``why`` says where the expected shape comes
+        from (e.g. the config values), for the message; ``scalar_ok`` accepts ``[1]`` for an
+        expected ``[]``. Returns None, checking nothing, for a tensor of a partial checkpoint that
+        was not downloaded.
         """
         if name in self.absent:
             return None
         t = self.info(name)
-        if t.dtype != dtype:
-            raise MoeshardError(f"{t.file}: {name}: expected dtype {dtype}, found {t.dtype}")
-        if t.shape != tuple(shape) and not (scalar_ok and shape == () and t.shape == (1,)):
+        if t.dtype not in ((dtype,) if isinstance(dtype, str) else dtype):
+            raise MoeshardError(f"{t.file}: {name}: expected dtype {' or '.join((dtype,) if isinstance(dtype, str) else dtype)}, "
+                                f"found {t.dtype}")
+        if shape is not None and t.shape != tuple(shape) and not (scalar_ok and shape == () and t.shape == (1,)):
             raise MoeshardError(f"{t.file}: {name}: expected shape {list(shape)}{f' ({why})' if why else ''}, "
                                 f"found {list(t.shape)}")
         return t

@@ -121,7 +121,7 @@ def resolve_source(source: str, options: Options, **hub) -> tuple[Path, HubSourc
         config = load_json(meta / "config.json")
         qc = load_json(meta / "hf_quant_config.json") if (meta / "hf_quant_config.json").is_file() else None
         weight_map = load_json(meta / INDEX_NAME)["weight_map"]
-        adapter = detect_config(config, qc, f"{source}/config.json")
+        adapter = detect_config(config, qc, source)
         check_sizes(adapter, config, weight_map, f"{source}/config.json")
         e, o = adapter.num_experts(config), options
         experts = {x for r in o.ranks for x in rank_experts(e, o.ep_size, o.tp_size, o.placement, r)}

@@ -90,7 +90,7 @@ def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter: Adapter, rank: RankPl
             field, per = KERNEL_FIELDS[kind], per_expert[name]
             step = max(1, chunk_bytes // per)
             chunks = [rank.experts[k:k + step] for k in range(0, n, step)]
-            leaves = tuple("." + leaf for leaf in adapter.sources.get(field, ()))
+            leaves = tuple("." + leaf for leaf in adapter.source_leaves(spec, field))
             sources = [x for x in spec.expert_tensors if x.startswith(prefix + ".") and x.endswith(leaves)]
             ahead = max(1, PREFETCH_BYTES // (per * len(chunks[0])))
             for c in chunks[:ahead]:

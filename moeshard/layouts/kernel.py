@@ -93,6 +93,61 @@ def kernel_shape_problems(h_pad: int, i_pad: int, sf: int) -> list[str]:
     return problems
 
 
+#: FlashInfer 0.7.2.post1's compiled routing tiers (numExperts <= E, topK <= K) per routing policy
+#: (``include/flashinfer/trtllm/fused_moe/RoutingCustomPolicy.cuh:840-880``): an (experts, top-k)
+#: pair no tier covers only logs a warning there and routes wrongly, so it is refused here.
+ROUTING_TIERS = {
+    "softmax_topk": ((128, 8), (256, 8)),  # Default: Softmax -> TopK (no renormalisation)
+    "topk_softmax": ((128, 4), (128, 8), (160, 8), (256, 8), (256, 16), (512, 8), (512, 16), (512, 22), (512, 32),
+                     (576, 8), (768, 32), (896, 16), (1024, 32), (2048, 32)),  # Renormalize, RenormalizeNaive
+    "sigmoid_bias": ((128, 8), (256, 8), (384, 8), (512, 8), (512, 22), (896, 16), (1024, 32)),  # DeepSeekV3, 1 group
+}
+
+
+def routing_problems(routing: dict, num_experts: int) -> list[str]:
+    """Why FlashInfer 0.7.2.post1's trtllm-gen FP4 MoE cannot route ``routing`` over ``num_experts``
+    experts ([] if it can). Its launcher checks none of this before the GPU (the Python wrapper
+    only validates fused shared experts and routing_replay_out), so an unsupported model would fail
+    on the serving machine, or route silently wrong where a routing tier is missing.
+
+    Limits, from ``data/csrc/fused_moe/trtllm_backend/``: ``trtllm_fused_moe_routing_runner.cu:160-161``
+    (DeepSeekV3 with groups: topK <= 22, topkGroup <= 4), ``:222`` (Llama4: topK == 1);
+    ``trtllm_fused_moe_routing_deepseek.cu:51-62, 526-566`` (<= 512 experts, <= 8 groups, experts
+    divisible by 4 and by the groups, <= 32 experts per group, topkGroup <= nGroup);
+    ``trtllm_fused_moe_routing_llama4.cu:28-30`` (<= 128 experts); the tiers above; and
+    ``trtllm_fused_moe_kernel_launcher.cu:1394`` (1 <= top_k <= num_experts).
+    """
+    m, k, e = RoutingMethod(routing["routing_method_type"]), routing["top_k"], num_experts
+    ng, kg = routing.get("n_group") or 0, routing.get("topk_group") or 0
+    problems = [] if 1 <= k <= e else [f"top_k {k} must be in 1..{e} (the expert count)"]
+
+    def tiers(policy: str, what: str) -> None:
+        if not any(e <= te and k <= tk for te, tk in ROUTING_TIERS[policy]):
+            problems.append(f"{what} routing has no kernel for {e} experts with top_k {k} (FlashInfer's compiled "
+                            f"tiers: {', '.join(f'{te} experts/top {tk}' for te, tk in ROUTING_TIERS[policy])})")
+
+    if m is RoutingMethod.Llama4:
+        problems += [f"Llama4 routing needs top_k 1, found {k}"] * (k != 1)
+        problems += [f"Llama4 routing takes at most 128 experts, found {e}"] * (e > 128)
+    elif m in (RoutingMethod.Renormalize, RoutingMethod.RenormalizeNaive):
+        tiers("topk_softmax", m.name)
+    elif m is RoutingMethod.Default:
+        tiers("softmax_topk", "Default (softmax, no renormalisation)")
+    elif m is RoutingMethod.DeepSeekV3 and ng <= 1:
+        tiers("sigmoid_bias", "DeepSeekV3 (one group)")
+        if routing.get("norm_topk_prob") is False:
+            problems.append("DeepSeekV3 routing with one group always renormalises the top-k weights; "
+                            "norm_topk_prob false is not supported")
+    elif m is RoutingMethod.DeepSeekV3:
+        for bad, why in ((k > 22, f"top_k {k} > 22"), (kg > 4, f"topk_group {kg} > 4"), (ng > 8, f"n_group {ng} > 8"),
+                         (kg > ng, f"topk_group {kg} > n_group {ng}"), (e > 512, f"{e} experts > 512"),
+                         (e % 4 or e % ng, f"{e} experts not divisible by 4 and by n_group {ng}"),
+                         (ng and e // ng > 32, f"{e // max(ng, 1)} experts per group > 32")):
+            if bad:
+                problems.append(f"DeepSeekV3 grouped routing: {why}")
+    return problems
+
+
 # -- kernel scalars -------------------------------------------------------------------------------
 def swiglu_oai_scalars(num_experts: int, limit: float, alpha: float, beta: float) -> dict[str, torch.Tensor]:
     """``gemm1_alpha``, ``gemm1_beta``, ``gemm1_clamp_limit``: float32 ``[E]`` each (GPT-OSS's

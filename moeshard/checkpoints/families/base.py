@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from moeshard.checkpoints.formats import QuantFormat
+from moeshard.checkpoints.formats import QuantFormat, Scheme
 from moeshard.errors import MoeshardError
 
 if TYPE_CHECKING:
@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 
 
 class Family(str, enum.Enum):
-    GPT_OSS = "gpt-oss"
-    DEEPSEEK = "deepseek"
-    LLAMA4 = "llama4"
+    GPT_OSS = "gpt-oss"  # openai/gpt-oss (MXFP4)
+    DEEPSEEK = "deepseek"  # DeepSeek-V3 architecture: DeepSeek-V3/R1, Kimi-K2 (NVFP4)
+    QWEN3_MOE = "qwen3-moe"  # Qwen3-MoE (NVFP4)
+    LLAMA4 = "llama4"  # Llama-4 Scout / Maverick (NVFP4)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class ModelSpec:
     router: dict[str, str]
     expert_tensors: frozenset[str] = field(repr=False)
     has_bias: bool = False  # the experts have biases (w13_bias, w2_bias)
+    scheme: Scheme | None = field(default=None, repr=False)  # exporter, tensor names, what is quantized
+    fused: bool = True  # experts stored fused across experts (else one tensor per expert and projection)
 
     def prefix(self, layer: int) -> str:
         return self.expert_prefix.format(layer=layer)
@@ -62,20 +65,30 @@ class Adapter(Protocol):
     """One checkpoint family: names and quirks, nothing about layouts."""
 
     family: Family
-    prefix: str  # expert module prefix template, "{layer}" placeholder
-    router: dict[str, str]  # router tensor name templates, "{layer}" placeholder
-    layers_key: str  # config.json key of the layer count ("a.b": nested)
-    experts_key: str  # config.json key of the routed expert count
-    sources: dict[str, tuple[str, ...]]
-    """Canonical field -> the leaf names of its source tensors (prefetching reads them ahead)."""
-    shared_leaves: tuple[str, ...]
-    """Leaves of per-expert tensors that every rank reads for all experts (NVFP4 input scales)."""
+    model_types: tuple[str, ...]  # config.json model_type (or text_config.model_type) values
+    layers_key: str  # key of the layer count in the text config (:meth:`text`)
+    experts_key: str  # key of the routed expert count in the text config
+
+    def text(self, config: dict) -> dict:
+        """The language model's config: config.json itself, or its ``text_config``."""
+
+    def templates(self, config: dict, names: Iterable[str]) -> tuple[str, dict[str, str]]:
+        """The expert module prefix template and the router tensor name templates ({layer}
+        placeholders), given the checkpoint's tensor names (the root can be ``model`` or
+        ``language_model.model``)."""
 
     def moe_layers(self, config: dict) -> tuple[int, ...]:
         """The MoE layers, from config.json alone (after :func:`check_sizes`)."""
 
-    def detect(self, config: dict, quant_config: dict | None) -> bool:
-        """Whether config.json (and hf_quant_config.json) describe this family."""
+    def accepts(self, scheme: Scheme) -> bool:
+        """Whether this family converts checkpoints of ``scheme``."""
+
+    def source_leaves(self, spec: ModelSpec, field: str) -> tuple[str, ...]:
+        """The leaf names (under the expert prefix, after the expert number for per-expert
+        storage) of the source tensors of canonical ``field`` (prefetching reads them ahead)."""
+
+    def shared_leaves(self, spec: ModelSpec) -> tuple[str, ...]:
+        """Leaves of per-expert tensors that every rank reads for all experts (NVFP4 input scales)."""
 
     def spec(self, ckpt: Checkpoint) -> ModelSpec:
         """Validate every expert tensor's header against the config; raise MoeshardError if off."""
@@ -99,15 +112,29 @@ class Adapter(Protocol):
 
 
 class AdapterBase:
-    """Defaults shared by the adapters: counts read through their config keys, no scalars."""
+    """Defaults shared by the adapters: the text config is config.json itself, counts are read
+    through the config keys, no per-expert scalars."""
 
-    shared_leaves: tuple[str, ...] = ()
+    def text(self, config: dict) -> dict:
+        return config
+
+    def text_key(self, config: dict, key: str) -> str:
+        """``key`` as it is spelled in config.json (``text_config.<key>`` when nested)."""
+        return key if self.text(config) is config else f"text_config.{key}"
 
     def num_experts(self, config: dict) -> int:
-        return config_value(config, self.experts_key)
+        return self.text(config)[self.experts_key]
 
     def num_layers(self, config: dict) -> int:
-        return config_value(config, self.layers_key)
+        return self.text(config)[self.layers_key]
+
+    def detect(self, config: dict) -> bool:
+        """Whether config.json's model_type (or its text_config's) is one of this family's."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        return config.get("model_type") in self.model_types or text.get("model_type") in self.model_types
+
+    def shared_leaves(self, spec) -> tuple[str, ...]:
+        return ()
 
     def read_scalars(self, ckpt, spec, layer, start, stop) -> dict:
         return {}
@@ -116,19 +143,22 @@ class AdapterBase:
         return None
 
 
+def model_root(names: Iterable[str], roots: tuple[str, ...] = ("model", "language_model.model")) -> str:
+    """The module root the checkpoint's decoder layers sit under: ModelOpt's Llama-4 exports use
+    ``model.`` or ``language_model.model.`` (vLLM ``mllama4.py`` renames the one to the other),
+    Kimi-K2.5 ``language_model.model.``."""
+    for root in roots[::-1]:
+        if any(n.startswith(f"{root}.layers.") for n in names):
+            return root
+    return roots[0]
+
+
 # -- facts derived from the protocol ----------------------------------------------------------------
 #: The most experts a trtllm-gen routing kernel takes (FlashInfer 0.7.2 routing: 2048 for
 #: Renormalize, fewer for grouped DeepSeekV3); larger counts in a config are refused up front.
 MAX_EXPERTS = 2048
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
-
-
-def config_value(config: dict, key: str):
-    """``config["a"]["b"]`` for ``key`` "a.b" (None where missing)."""
-    for part in key.split("."):
-        config = config.get(part) if isinstance(config, dict) else None
-    return config
 
 
 def positive_ints(cfg: dict, where, keys: tuple[str, ...]) -> None:
@@ -143,15 +173,18 @@ def check_sizes(adapter: Adapter, config: dict, names: Iterable[str], where) -> 
     names = list(names)
     layers = 1 + max((int(m.group(1)) for n in names if (m := _LAYER.search(n))), default=-1)
     experts = 1 + max((int(m.group(1)) for n in names if (m := _EXPERT.search(n))), default=-1)
+    text = adapter.text(config)
+    if not isinstance(text, dict):
+        raise MoeshardError(f"{where}: text_config: expected an object, found {type(text).__name__}")
     for key, limit, what in ((adapter.layers_key, layers, "the layers present in the checkpoint"),
                              (adapter.experts_key, min(experts or MAX_EXPERTS, MAX_EXPERTS),
                               "the experts present in the checkpoint" if experts else
                               "the most a trtllm-gen routing kernel takes")):
-        v = config_value(config, key)
+        v, spelled = text.get(key), adapter.text_key(config, key)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise MoeshardError(f"{where}: {key}: expected a positive integer, found {v!r}")
+            raise MoeshardError(f"{where}: {spelled}: expected a positive integer, found {v!r}")
         if v > limit:
-            raise MoeshardError(f"{where}: {key}: expected at most {limit} ({what}), found {v}")
+            raise MoeshardError(f"{where}: {spelled}: expected at most {limit} ({what}), found {v}")
 
 
 def expert_index(name: str, prefix: str) -> int | None:
@@ -162,18 +195,20 @@ def expert_index(name: str, prefix: str) -> int | None:
 
 
 def needed_tensors(adapter: Adapter, config: dict, names: Iterable[str], experts: set[int] | None,
-                   common: bool) -> set[str]:
+                   common: bool, leaves: tuple[str, ...] = ("input_scale", "input_global_scale")) -> set[str]:
     """The tensor names of ``names`` a (rank-only) conversion reads.
 
     - per-expert families: the chosen ``experts``' tensors (all with ``experts`` None), plus every
-      expert's :attr:`Adapter.shared_leaves` (NVFP4 activation scales are maxima over all experts
-      of the layer);
+      expert's ``leaves``: the NVFP4 activation scales (ModelOpt ``input_scale``, compressed-tensors
+      ``input_global_scale``), whose maxima over all experts of the layer every rank needs;
     - fused families: the whole fused tensors (each rank reads its slice);
     - the routers (to validate the ranks), and, with ``common``, every non-expert tensor.
     """
+    names = list(names)
+    prefix, router = adapter.templates(config, names)
     layers = adapter.moe_layers(config)
-    prefixes = {adapter.prefix.format(layer=layer) for layer in layers}
-    routers = {t.format(layer=layer) for layer in layers for t in adapter.router.values()}
+    prefixes = {prefix.format(layer=layer) for layer in layers}
+    routers = {t.format(layer=layer) for layer in layers for t in router.values()}
     out = set()
     for name in names:
         prefix = next((p for p in prefixes if name.startswith(p + ".")), None)
@@ -182,7 +217,7 @@ def needed_tensors(adapter: Adapter, config: dict, names: Iterable[str], experts
                 out.add(name)
             continue
         e = expert_index(name, prefix)
-        if e is None or experts is None or e in experts or name.endswith(tuple("." + x for x in adapter.shared_leaves)):
+        if e is None or experts is None or e in experts or name.endswith(tuple("." + x for x in leaves)):
             out.add(name)
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moeshard.checkpoints.families.base import AdapterBase, Family, ModelSpec, check_sizes
-from moeshard.checkpoints.formats import QuantFormat
+from moeshard.checkpoints.formats import QuantFormat, Scheme, detect_scheme
 from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.layouts.kernel import ActivationType, RoutingMethod
@@ -35,26 +35,27 @@ def _deinterleaved_rows(two_i: int) -> torch.Tensor:
 
 class GptOssAdapter(AdapterBase):
     family = Family.GPT_OSS
-    prefix = PREFIX
-    router = ROUTER
+    model_types = ("gpt_oss",)
     layers_key = "num_hidden_layers"
     experts_key = "num_local_experts"
 
-    @staticmethod
-    def moe_layers(cfg: dict) -> tuple[int, ...]:
-        return tuple(range(cfg["num_hidden_layers"]))  # every gpt-oss layer is MoE
+    def templates(self, config: dict, names) -> tuple[str, dict[str, str]]:
+        return PREFIX, dict(ROUTER)
 
-    def detect(self, config: dict, quant_config: dict | None) -> bool:
-        return config.get("model_type") == "gpt_oss"
+    def moe_layers(self, config: dict) -> tuple[int, ...]:
+        return tuple(range(config["num_hidden_layers"]))  # every gpt-oss layer is MoE
+
+    def accepts(self, scheme: Scheme) -> bool:
+        return scheme.exporter == "openai"
 
     def spec(self, ckpt: Checkpoint) -> ModelSpec:
         cfg = ckpt.config
         where = ckpt.root / "config.json"
         check_sizes(self, ckpt.config, [*ckpt.tensors, *ckpt.absent], where)
-        q = cfg.get("quantization_config") or {}
-        if q.get("quant_method") != "mxfp4":
-            raise MoeshardError(f"{where}: quantization_config.quant_method: expected 'mxfp4', "
-                                f"found {q.get('quant_method')!r}")
+        scheme = detect_scheme(cfg, ckpt.quant_config, ckpt.root)
+        if not self.accepts(scheme):
+            raise MoeshardError(f"{where}: gpt_oss in {scheme.exporter} {scheme.format.value}: expected the MXFP4 "
+                                "release (quantization_config.quant_method 'mxfp4')")
         for key in ("num_local_experts", "hidden_size", "intermediate_size", "num_hidden_layers"):
             if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
                 raise MoeshardError(f"{where}: {key}: expected a positive integer, found {cfg.get(key)!r}")
@@ -73,7 +74,7 @@ class GptOssAdapter(AdapterBase):
                 name = f"{PREFIX.format(layer=layer)}.{leaf}"
                 ckpt.expect(name, dtype, shape(e, h, i), why)
                 names.add(name)
-            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h), why)
+            ckpt.expect(ROUTER["weight"].format(layer=layer), ("BF16", "F32"), (e, h), why)
         return ModelSpec(
             family=self.family,
             quant_format=QuantFormat.MXFP4,
@@ -89,18 +90,21 @@ class GptOssAdapter(AdapterBase):
             router=dict(ROUTER),
             expert_tensors=frozenset(names),
             has_bias=True,
+            scheme=scheme,
         )
 
-    #: Canonical field -> its source tensor (for prefetching).
-    sources = {"w13": ("gate_up_proj_blocks",), "w13_scale": ("gate_up_proj_scales",),
-               "w13_bias": ("gate_up_proj_bias",), "w2": ("down_proj_blocks",), "w2_scale": ("down_proj_scales",),
-               "w2_bias": ("down_proj_bias",)}
+    #: Canonical field -> its source tensor.
+    SOURCES = {"w13": "gate_up_proj_blocks", "w13_scale": "gate_up_proj_scales", "w13_bias": "gate_up_proj_bias",
+               "w2": "down_proj_blocks", "w2_scale": "down_proj_scales", "w2_bias": "down_proj_bias"}
+
+    def source_leaves(self, spec: ModelSpec, field: str) -> tuple[str, ...]:
+        return (self.SOURCES[field],)
 
     def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Experts ``[start, stop)`` of one canonical field, read in place (no copy): the fused
         tensor's rows, with the row map that de-interleaves gate and up."""
-        name = f"{spec.prefix(layer)}.{self.sources[field][0]}"
+        name = f"{spec.prefix(layer)}.{self.SOURCES[field]}"
         t = ckpt.read(name, start, stop)
         if field.endswith("_scale"):
             ckpt.check_scales(name, t, False, start)

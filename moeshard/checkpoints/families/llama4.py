@@ -1,96 +1,132 @@
-"""nvidia/Llama-4-Scout-17B-16E-Instruct-FP4 (ModelOpt NVFP4): experts fused across experts.
+"""Llama-4 in NVFP4: Scout (16 experts, every layer MoE) and Maverick (128 experts,
+``interleave_moe_layer_step: 2``: MoE on every second layer, a dense MLP on the others, which
+goes to common/ as it is), from ModelOpt (nvidia/*-FP4) or llm-compressor.
 
-ModelOpt exports ``Llama4TextExperts`` in transformers' bmm layout ``[E, K, N]``: it quantizes
-the ``[E, N, K]`` transpose (blocks along K, the input dim) and stores weight and block scale
-transposed back, with one ``weight_scale_2`` and one ``input_scale`` for all experts. Gate is
-the first half of the 2I axis, up the second (transformers ``gate_up.chunk(2, -1)``; vLLM
-``chunk(2, dim=-2)`` after its transpose; TRT-LLM ``chunk(2, dim=0)``).
+ModelOpt exports ``Llama4TextExperts`` fused across experts in transformers' bmm layout
+``[E, K, N]``: it quantizes the ``[E, N, K]`` transpose (blocks along K, the input dim) and stores
+weight and block scale transposed back; ``*_weight_scale_2`` and ``*_input_scale`` are one value
+for all experts (``[]`` or ``[1]``) or one per expert (``[E]``; vLLM ``mllama4.py``,
+``_handle_expert_scale_broadcasting``). Gate is the first half of the 2I axis, up the second
+(transformers ``gate_up.chunk(2, -1)``; vLLM ``chunk(2, dim=-2)`` after its transpose). Keys sit
+under ``language_model.model.`` or ``model.`` (vLLM renames the one to the other; SGLang adds the
+prefix when missing). llm-compressor unfuses the experts into one Linear per expert and
+projection (``modeling/llama4.py``, ``SequentialLlama4TextMoe``): :mod:`.nvfp4_experts`.
+Routing: top-1, sigmoid, the weight applied to the expert's input (FlashInfer ``Llama4``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moeshard.checkpoints.families.base import AdapterBase, Family, ModelSpec, check_sizes, positive_ints
-from moeshard.checkpoints.formats import QuantFormat
-from moeshard.checkpoints.formats.modelopt import check_group_size, nvfp4_quant_algo, read_scalar
+from moeshard.checkpoints.families.base import Family, ModelSpec, check_sizes, model_root, positive_ints
+from moeshard.checkpoints.families.nvfp4_experts import PerExpertNvfp4
+from moeshard.checkpoints.formats import detect_scheme
+from moeshard.checkpoints.formats.modelopt import positive_finite
 from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
-from moeshard.layouts.kernel import ActivationType, RoutingMethod
+from moeshard.layouts.kernel import ActivationType, RoutingMethod, routing_problems
 
-PREFIX = "language_model.model.layers.{layer}.feed_forward.experts"
-#: nvidia/Llama-4-Scout-17B-16E-Instruct-FP4, per MoE layer: leaf -> (dtype, shape(E, H, I)).
-EXPERT_TENSORS = {
+#: ModelOpt's fused experts, per MoE layer: leaf -> (dtype, shape(E, H, I)); the per-tensor scales
+#: are ``[]``, ``[1]`` or ``[E]``.
+FUSED_TENSORS = {
     "gate_up_proj": ("U8", lambda e, h, i: (e, h // 2, 2 * i)),  # [E, K/2, N], N = [gate ; up]
     "gate_up_proj_weight_scale": ("F8_E4M3", lambda e, h, i: (e, h // 16, 2 * i)),
-    "gate_up_proj_weight_scale_2": ("F32", lambda e, h, i: ()),  # one for all experts
-    "gate_up_proj_input_scale": ("F32", lambda e, h, i: ()),
+    "gate_up_proj_weight_scale_2": ("F32", None),
+    "gate_up_proj_input_scale": ("F32", None),
     "down_proj": ("U8", lambda e, h, i: (e, i // 2, h)),
     "down_proj_weight_scale": ("F8_E4M3", lambda e, h, i: (e, i // 16, h)),
-    "down_proj_weight_scale_2": ("F32", lambda e, h, i: ()),
-    "down_proj_input_scale": ("F32", lambda e, h, i: ()),
+    "down_proj_weight_scale_2": ("F32", None),
+    "down_proj_input_scale": ("F32", None),
 }
-ROUTER = {"weight": "language_model.model.layers.{layer}.feed_forward.router.weight"}
 
 
-class Llama4Adapter(AdapterBase):
+class Llama4Adapter(PerExpertNvfp4):
     family = Family.LLAMA4
-    prefix = PREFIX
-    router = ROUTER
-    layers_key = "text_config.num_hidden_layers"
-    experts_key = "text_config.num_local_experts"
+    model_types = ("llama4",)
+    layers_key = "num_hidden_layers"
+    experts_key = "num_local_experts"
 
-    @staticmethod
-    def moe_layers(config: dict) -> tuple[int, ...]:
-        cfg = config.get("text_config") or {}
-        step = cfg.get("interleave_moe_layer_step", 1)
+    def text(self, config: dict) -> dict:
+        return config.get("text_config")
+
+    def templates(self, config: dict, names) -> tuple[str, dict[str, str]]:
+        root = model_root(names)
+        return (f"{root}.layers.{{layer}}.feed_forward.experts",
+                {"weight": f"{root}.layers.{{layer}}.feed_forward.router.weight"})
+
+    def moe_layers(self, config: dict) -> tuple[int, ...]:
+        """``text_config.moe_layers``, else every ``interleave_moe_layer_step``-th layer from
+        ``step - 1`` on (transformers ``Llama4TextConfig``; vLLM: ``(layer + 1) % step == 0``)."""
+        cfg = self.text(config) or {}
+        step = cfg.get("interleave_moe_layer_step", 1) or 1
         return tuple(cfg.get("moe_layers") or range(step - 1, cfg.get("num_hidden_layers", 0), step))
 
-    def detect(self, config: dict, quant_config: dict | None) -> bool:
-        return config.get("model_type") == "llama4" and nvfp4_quant_algo(config, quant_config) == "NVFP4"
-
     def spec(self, ckpt: Checkpoint) -> ModelSpec:
-        where = ckpt.root / "config.json"
-        check_sizes(self, ckpt.config, [*ckpt.tensors, *ckpt.absent], where)
-        cfg = ckpt.config.get("text_config")
-        if not isinstance(cfg, dict):
-            raise MoeshardError(f"{where}: text_config: expected an object, found {type(cfg).__name__}")
-        check_group_size(ckpt)
+        config, where = ckpt.config, ckpt.root / "config.json"
+        names = [*ckpt.tensors, *ckpt.absent]
+        check_sizes(self, config, names, where)
+        scheme = detect_scheme(config, ckpt.quant_config, ckpt.root)
+        cfg = self.text(config)
         positive_ints(cfg, f"{where}: text_config", ("num_local_experts", "hidden_size", "intermediate_size",
                                                       "num_hidden_layers", "num_experts_per_tok"))
         e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
-        if cfg["num_experts_per_tok"] != 1:
-            raise MoeshardError(f"{where}: text_config.num_experts_per_tok: expected 1 (Llama-4 routing is top-1), "
-                                f"found {cfg['num_experts_per_tok']}")
-        layers = self.moe_layers(ckpt.config)
-        names = set()
+        routing = {"routing_method_type": RoutingMethod.Llama4, "top_k": cfg["num_experts_per_tok"],
+                   "n_group": None, "topk_group": None, "routed_scaling_factor": None, "apply_weight_on_input": True}
+        if problems := routing_problems(routing, e):
+            raise MoeshardError(f"{where}: the trtllm-gen kernel cannot route this model: {'; '.join(problems)}")
+        prefix, router = self.templates(config, names)
+        moe = self.moe_layers(config)
+        fused = any(n == f"{prefix.format(layer=moe[0])}.gate_up_proj" for n in names) if moe else True
+        quantized = (lambda p: scheme.quantized(p)) if fused else (lambda p: self.quantized_layer(scheme, p))
+        layers = tuple(x for x in moe if quantized(prefix.format(layer=x)))
+        if not layers:
+            raise MoeshardError(f"{where}: no NVFP4 MoE layer (text_config moe layers and what the quant config "
+                                "quantized leave none)")
+        expert_names = set()
         why = f"from config.json text_config num_local_experts={e}, hidden_size={h}, intermediate_size={i}"
         for layer in layers:
-            for leaf, (dtype, shape) in EXPERT_TENSORS.items():
-                name = f"{PREFIX.format(layer=layer)}.{leaf}"
-                ckpt.expect(name, dtype, shape(e, h, i), why, scalar_ok=True)
-                names.add(name)
-            ckpt.expect(ROUTER["weight"].format(layer=layer), "BF16", (e, h), why)
-        return ModelSpec(
-            family=self.family, quant_format=QuantFormat.NVFP4, num_experts=e, hidden_size=h, intermediate_size=i,
-            moe_layers=layers, expert_prefix=PREFIX,
-            routing={"routing_method_type": RoutingMethod.Llama4, "top_k": 1, "n_group": None, "topk_group": None,
-                     "routed_scaling_factor": None, "apply_weight_on_input": True},
-            activation={"type": "swiglu", "activation_type": ActivationType.Swiglu},
-            router=dict(ROUTER), expert_tensors=frozenset(names))
+            p = prefix.format(layer=layer)
+            if not fused:
+                expert_names |= self.expect_experts(ckpt, scheme.names, p, e, h, i, why)
+            for leaf, (dtype, shape) in FUSED_TENSORS.items() if fused else ():
+                name = f"{p}.{leaf}"
+                if shape is None:  # a per-tensor scale: one value, or one per expert
+                    t = ckpt.expect(name, dtype, None)
+                    if t is not None and t.shape not in ((), (1,), (e,)):
+                        raise MoeshardError(f"{t.file}: {name}: expected shape [], [1] or [{e}] (one value for all "
+                                            f"experts or one per expert), found {list(t.shape)}")
+                else:
+                    ckpt.expect(name, dtype, shape(e, h, i), why)
+                expert_names.add(name)
+            ckpt.expect(router["weight"].format(layer=layer), ("BF16", "F32"), (e, h), why)
+        return ModelSpec(family=self.family, quant_format=scheme.format, num_experts=e, hidden_size=h,
+                         intermediate_size=i, moe_layers=layers, expert_prefix=prefix, routing=routing,
+                         activation={"type": "swiglu", "activation_type": ActivationType.Swiglu}, router=router,
+                         expert_tensors=frozenset(expert_names), scheme=scheme, fused=fused)
 
-    #: Canonical field -> its source tensor (for prefetching).
-    sources = {"w13": ("gate_up_proj",), "w13_scale": ("gate_up_proj_weight_scale",), "w2": ("down_proj",),
-               "w2_scale": ("down_proj_weight_scale",)}
+    # -- reads: fused (ModelOpt) or one tensor per expert (llm-compressor) --------------------------
+    #: Canonical field -> its fused source tensor.
+    FUSED_SOURCES = {"w13": "gate_up_proj", "w13_scale": "gate_up_proj_weight_scale", "w2": "down_proj",
+                     "w2_scale": "down_proj_weight_scale"}
+
+    def source_leaves(self, spec: ModelSpec, field: str) -> tuple[str, ...]:
+        if not spec.fused:
+            return super().source_leaves(spec, field)
+        return (self.FUSED_SOURCES[field],) if field in self.FUSED_SOURCES else ()
+
+    def shared_leaves(self, spec: ModelSpec) -> tuple[str, ...]:
+        return () if spec.fused else super().shared_leaves(spec)
 
     def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Experts ``[start, stop)`` of one canonical field: the fused bmm-layout tensor ``[n, K', N]``
-        transposed to ``[n, N, K']`` (one copy); GEMM1's N is ``[gate ; up]``, so its row map
-        swaps the halves into ``[up ; gate]``."""
-        if field not in self.sources:
+        """Experts ``[start, stop)`` of one canonical field. Fused: the bmm-layout tensor ``[n, K', N]``
+        transposed to ``[n, N, K']`` (one copy); GEMM1's N is ``[gate ; up]``, so its row map swaps
+        the halves into ``[up ; gate]``."""
+        if not spec.fused:
+            return self.read_per_expert(ckpt, spec, layer, field, start, stop)
+        if field not in self.FUSED_SOURCES:
             return None  # no biases
-        name = f"{spec.prefix(layer)}.{self.sources[field][0]}"
+        name = f"{spec.prefix(layer)}.{self.FUSED_SOURCES[field]}"
         t = ckpt.read(name, start, stop)
         if field.endswith("_scale"):
             t = ckpt.check_scales(name, t, True, start).view(torch.uint8)
@@ -98,19 +134,28 @@ class Llama4Adapter(AdapterBase):
         i = t.shape[1] // 2
         return t, (torch.cat((torch.arange(i, 2 * i), torch.arange(i))) if field.startswith("w13") else None)
 
+    def _fused_scale(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, leaf: str, start: int, stop: int
+                     ) -> torch.Tensor:
+        """A fused per-tensor scale for experts ``[start, stop)``: ``[n]`` float32 (one stored value
+        broadcast, or the experts' own)."""
+        name = f"{spec.prefix(layer)}.{leaf}"
+        t = positive_finite(ckpt, name, ckpt.read(name).float().reshape(-1))
+        return (t.expand(spec.num_experts) if t.numel() == 1 else t)[start:stop].clone()
+
     def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
                      ) -> dict[str, torch.Tensor]:
-        """``w1_scale_2``, ``w3_scale_2``, ``w2_scale_2``, ``w13_input_scale``, ``w2_input_scale``: ``[n]`` float32
-        (one value per fused tensor, the same for all experts)."""
-        p, n = spec.prefix(layer), stop - start
-        a13, a2 = self.input_scales(ckpt, spec, layer)
-        s13 = read_scalar(ckpt, f"{p}.gate_up_proj_weight_scale_2")
-        values = {"w1_scale_2": s13, "w3_scale_2": s13,
-                  "w2_scale_2": read_scalar(ckpt, f"{p}.down_proj_weight_scale_2"), "w13_input_scale": a13,
-                  "w2_input_scale": a2}
-        return {k: v.expand(n).clone() for k, v in values.items()}
+        """``w1_scale_2``, ``w3_scale_2`` (fused: gate and up share one), ``w2_scale_2``,
+        ``w13_input_scale``, ``w2_input_scale``: ``[n]`` float32."""
+        if not spec.fused:
+            return self.scalars_per_expert(ckpt, spec, layer, start, stop)
+        rd = lambda leaf: self._fused_scale(ckpt, spec, layer, leaf, start, stop)  # noqa: E731
+        s13 = rd("gate_up_proj_weight_scale_2")
+        return {"w1_scale_2": s13, "w3_scale_2": s13.clone(), "w2_scale_2": rd("down_proj_weight_scale_2"),
+                "w13_input_scale": rd("gate_up_proj_input_scale"), "w2_input_scale": rd("down_proj_input_scale")}
 
     def input_scales(self, ckpt: Checkpoint, spec: ModelSpec, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(a13, a2)``: one input_scale per fused expert tensor, shared by all experts."""
-        p = spec.prefix(layer)
-        return read_scalar(ckpt, f"{p}.gate_up_proj_input_scale"), read_scalar(ckpt, f"{p}.down_proj_input_scale")
+        """``(a13, a2)``: the maxima over all experts of the activation scales."""
+        if not spec.fused:
+            return self.input_scales_per_expert(ckpt, spec, layer)
+        rd = lambda leaf: self._fused_scale(ckpt, spec, layer, leaf, 0, spec.num_experts).max()  # noqa: E731
+        return rd("gate_up_proj_input_scale"), rd("down_proj_input_scale")
