@@ -27,8 +27,8 @@ DEBUG_ENV = "MOESHARD_DEBUG"
 
 app = typer.Typer(
     name="moeshard",
-    help="Convert FP4 MoE checkpoints (GPT-OSS MXFP4; DeepSeek-R1-FP4 and Llama-4-Scout-FP4 in ModelOpt NVFP4) "
-         "into FlashInfer trtllm-gen rank shards, and prove every shard right.\n\n"
+    help="Convert FP4 MoE checkpoints (GPT-OSS MXFP4; DeepSeek-V3/R1, Kimi-K2, Qwen3-MoE and Llama-4 in NVFP4 "
+         "from ModelOpt or llm-compressor) into FlashInfer trtllm-gen rank shards, and prove every shard right.\n\n"
          f"Errors are one line on stderr (exit 1); set {DEBUG_ENV}=1 to see the traceback.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -138,13 +138,18 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 @app.command(epilog=examples("moeshard fixture gpt-oss --preset tiny -o tiny-gpt-oss",
                              "moeshard fixture gpt-oss --preset gpt-oss-120b --layers 2 -o bench-120b",
-                             "moeshard fixture deepseek-r1-fp4 --preset deepseek-r1 --layers 4 -o bench-r1",
-                             "moeshard fixture llama4-scout-fp4 -o tiny-scout"))
+                             "moeshard fixture deepseek --preset deepseek-r1 --layers 4 -o bench-r1",
+                             "moeshard fixture qwen3-moe --preset tiny-ct -o tiny-qwen3-ct",
+                             "moeshard fixture llama4 --preset tiny-maverick -o tiny-maverick"))
 def fixture(
-    family: Annotated[str, typer.Argument(help="gpt-oss, deepseek-r1-fp4 or llama4-scout-fp4.")],
+    family: Annotated[str, typer.Argument(help="gpt-oss, deepseek, qwen3-moe or llama4.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (must be new or empty).")],
-    preset: Annotated[str, typer.Option(help="tiny (tests) or real layer sizes: gpt-oss-20b, gpt-oss-120b, "
-                                             "deepseek-r1, llama4-scout.")] = "tiny",
+    preset: Annotated[str, typer.Option(help="Tiny checkpoints for tests: tiny; gpt-oss tiny-uneven; deepseek "
+                                             "tiny-v3-0324, tiny-kimi-k2, tiny-kimi-k25, tiny-ct, tiny-mixed; "
+                                             "qwen3-moe tiny-ct, tiny-no-renorm; llama4 tiny-flat, tiny-maverick, "
+                                             "tiny-ct. Real layer sizes (use --layers): gpt-oss-20b, gpt-oss-120b, "
+                                             "deepseek-r1, kimi-k2, qwen3-30b-a3b, qwen3-235b-a22b, llama4-scout, "
+                                             "llama4-maverick.")] = "tiny",
     layers: Annotated[int | None, typer.Option(help="Number of layers (default: the preset's; DeepSeek keeps "
                                                        "at most layers-1 dense layers).")] = None,
     seed: Annotated[int, typer.Option(help="Random seed of the generated weights.")] = 0,
@@ -400,7 +405,7 @@ def validate(
 def demo(
     output: Annotated[Path, typer.Option("--output", "-o", help="Working folder (a previous demo's output in it is "
                                                                 "replaced; anything else is refused).")] = Path("demo-out"),
-    family: Annotated[str, typer.Option(help="gpt-oss, deepseek-r1-fp4 or llama4-scout-fp4.")] = "gpt-oss",
+    family: Annotated[str, typer.Option(help="gpt-oss, deepseek, qwen3-moe or llama4 (tiny preset).")] = "gpt-oss",
     ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel ranks.")] = 2,
     as_json: JsonOpt = False,
 ) -> None:

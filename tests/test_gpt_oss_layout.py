@@ -24,9 +24,31 @@ def rank_tensors(out, rank: dict, prefix: str) -> dict[str, torch.Tensor]:
 def test_rank_bytes_equal_vllm_flashinfer(gpt_oss_tiny, gpt_oss_artifacts, ep_size, pad):
     out = gpt_oss_artifacts(ep_size, pad)
     m = read_manifest(out)
+    assert (m["padding"]["hidden_size_padded"], m["padding"]["intermediate_size_padded"]) == \
+        (-(-160 // pad) * pad, -(-224 // pad) * pad)
+    check_rank_bytes(gpt_oss_tiny, out)
+
+
+@pytest.mark.parametrize("ep_size,pad", [(1, 256), (2, 256), (4, 128)])
+def test_rank_bytes_with_hidden_and_intermediate_padded_differently(tmp_path_factory, ep_size, pad):
+    """H 160 and I 416: padded to 256 and 512 (or 256 and 512 with 128), so that a mix-up of the
+    two padded sizes anywhere shows."""
+    from moeshard.convert.pipeline import convert
+    from moeshard.fixtures import fixture
+
+    src = fixture("gpt-oss", "tiny-uneven", tmp_path_factory.mktemp("uneven") / "src")
+    out = convert(src, tmp_path_factory.mktemp("uneven-out") / "out", ep_size=ep_size, pad_multiple=pad).out
+    m = read_manifest(out)
+    assert (m["padding"]["hidden_size_padded"], m["padding"]["intermediate_size_padded"]) == \
+        (-(-160 // pad) * pad, -(-416 // pad) * pad)
+    check_rank_bytes(src, out)
+
+
+def check_rank_bytes(source, out) -> None:
+    """Every rank tensor of ``out`` against vLLM's per-expert preparation of ``source``'s slice."""
+    m = read_manifest(out)
     h_pad, i_pad = m["padding"]["hidden_size_padded"], m["padding"]["intermediate_size_padded"]
-    assert (h_pad, i_pad) == (-(-160 // pad) * pad, -(-224 // pad) * pad)
-    with Checkpoint(gpt_oss_tiny) as src:
+    with Checkpoint(source) as src:
         for rank in m["ranks"]:
             e0, e1 = rank["experts"][0], rank["experts"][-1] + 1
             for layer in m["moe_layers"]:

@@ -69,3 +69,24 @@ def test_sum_over_ranks_matches_transformers(gpt_oss_tiny, gpt_oss_artifacts, ep
             assert not total[:, h:].any()
             torch.testing.assert_close(total[:, :h], want[0], rtol=1e-5, atol=1e-5)
             assert want.abs().max() > 0.1  # the comparison is not between two near-zero tensors
+
+
+def test_tiny_preset_loads_in_transformers(tmp_path):
+    """The tiny GPT-OSS fixture is a checkpoint transformers itself loads: GptOssForCausalLM with
+    its MXFP4 dequantizer on the CPU, no missing or unexpected keys, a forward pass."""
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    from moeshard.fixtures import fixture
+
+    src = fixture("gpt-oss", "tiny", tmp_path / "src")
+    model, info = GptOssForCausalLM.from_pretrained(src, quantization_config=Mxfp4Config(dequantize=True),
+                                                     dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 9, 200]])).logits
+    assert logits.shape == (1, 4, 256) and torch.isfinite(logits).all()
+    with Checkpoint(src) as ck:  # its experts are the checkpoint's, decoded
+        blocks, scales = ck.read("model.layers.1.mlp.experts.down_proj_blocks"), \
+            ck.read("model.layers.1.mlp.experts.down_proj_scales")
+    want = dequantize_mxfp4(blocks.flatten(-2), scales).transpose(1, 2)  # transformers' [E, I, H]
+    torch.testing.assert_close(model.model.layers[1].mlp.experts.down_proj.float(), want, rtol=0, atol=0)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from moeshard.artifact.manifest import MANIFEST_NAME
 from moeshard.artifact.output import FAULT_ENV, LOCK_NAME
 from moeshard.artifact.verify import verify
+from moeshard.checkpoints.source import Checkpoint
 from moeshard.cli import main
 from moeshard.convert.pipeline import convert
 from moeshard.errors import MoeshardError
@@ -138,8 +139,8 @@ def test_verify_reports_each_changed_file(tmp_path, artifacts):
 
 # -- bad input: one line naming file, tensor, expected, found ------------------------------------
 def _edit_tensor(src: Path, name: str, fn) -> None:
-    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    path = src / index[name]
+    with Checkpoint(src) as ck:  # the shards' headers: ModelOpt's index lacks the scale tensors
+        path = src / ck.info(name).file
     t = load_file(path)
     new = fn(t)
     save_file(new, path)
@@ -161,8 +162,8 @@ def _cases():
                                         "names shard model-00002-of-00002.safetensors, which is missing"),
         "truncated header": ("gpt_oss_tiny", lambda s: _truncate(s / "model-00001-of-00002.safetensors", 30),
                              "model-00001-of-00002.safetensors: truncated safetensors header"),
-        "corrupted header": ("deepseek_tiny", lambda s: _scribble(s / "model-00002-of-000004.safetensors", 12, b"}{#"),
-                             "model-00002-of-000004.safetensors: unreadable safetensors file"),
+        "corrupted header": ("deepseek_tiny", lambda s: _scribble(s / "model-00002-of-000005.safetensors", 12, b"}{#"),
+                             "model-00002-of-000005.safetensors: unreadable safetensors file"),
         "tensor missing": ("gpt_oss_tiny", lambda s: _drop(s, f"{gx}.down_proj_bias"),
                            f"tensor {gx}.down_proj_bias missing from the checkpoint"),
         "wrong dtype": ("gpt_oss_tiny", lambda s: _edit_tensor(s, f"{gx}.down_proj_scales", lambda t: {

@@ -14,6 +14,8 @@ def route(logits: torch.Tensor, routing: dict, correction_bias: torch.Tensor | N
     """Top-k expert ids ``[T, k]`` int64 and weights ``[T, k]`` float32 from router logits ``[T, E]``.
 
     - Renormalize (1, GPT-OSS): top-k of the logits, softmax over the k chosen.
+    - RenormalizeNaive (4, Qwen3-MoE with ``norm_topk_prob``): softmax over all experts, top-k,
+      divided by their sum (transformers' Qwen3MoeTopKRouter); Default (0): without the division.
     - DeepSeekV3 (2): s = sigmoid(logits); choose with s + correction_bias: group score = sum of
       the group's top-2, keep ``topk_group`` groups, top-k inside them; weights = s at the
       chosen experts, divided by their sum (+1e-20) when ``norm_topk_prob``, times
@@ -26,6 +28,9 @@ def route(logits: torch.Tensor, routing: dict, correction_bias: torch.Tensor | N
     if method is RoutingMethod.Renormalize:
         vals, ids = torch.topk(logits, k, dim=-1)
         return ids, torch.softmax(vals, dim=-1)
+    if method in (RoutingMethod.RenormalizeNaive, RoutingMethod.Default):
+        vals, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        return ids, vals / vals.sum(dim=-1, keepdim=True) if method is RoutingMethod.RenormalizeNaive else vals
     if method is RoutingMethod.DeepSeekV3:
         t, e = logits.shape
         ng, kg = routing["n_group"], routing["topk_group"]

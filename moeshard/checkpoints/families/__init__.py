@@ -23,7 +23,7 @@ from moeshard.checkpoints.families.deepseek import DeepSeekAdapter
 from moeshard.checkpoints.families.gpt_oss import GptOssAdapter
 from moeshard.checkpoints.families.llama4 import Llama4Adapter
 from moeshard.checkpoints.families.qwen3_moe import Qwen3MoeAdapter
-from moeshard.checkpoints.formats import detect_scheme
+from moeshard.checkpoints.formats import QuantFormat, detect_scheme
 from moeshard.errors import MoeshardError
 
 #: Every family, in detection order.
@@ -50,8 +50,10 @@ def detect_config(config: dict, quant_config: dict | None, root) -> Adapter:
         raise MoeshardError(f"{where}: unsupported checkpoint: found model_type {mt!r}; supported: {SUPPORTED}")
     scheme = detect_scheme(config, quant_config, root)
     if not adapter.accepts(scheme):
+        why = ("MXFP4 from another exporter than OpenAI's GPT-OSS release" if scheme.format is QuantFormat.MXFP4
+               else "not its MXFP4 release")
         raise MoeshardError(f"{where}: unsupported checkpoint: {adapter.family.value} quantized as {scheme.exporter} "
-                            f"{scheme.format.value}; supported: {SUPPORTED}")
+                            f"{scheme.format.value}: {why}; supported: {SUPPORTED}")
     return adapter
 
 
