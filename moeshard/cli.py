@@ -369,18 +369,35 @@ def _print_report(report, as_json: bool) -> None:
     for r in report.rows:
         if not r.passed:
             err_console.print(f"FAIL: {r.detail}", markup=False)
+    cov = report.coverage
+    if cov:
+        worst = max(report.rows, key=lambda r: r.rel_error)
+        err_console.print(f"covered: {cov['experts'][0]} of {cov['experts'][1]} experts per layer, "
+                          f"{cov['layers'][0]} of {cov['layers'][1]} MoE layers, {cov['ranks'][0]} of "
+                          f"{cov['ranks'][1]} ranks; {sum(r.layout_checked for r in report.rows)} rank experts "
+                          "rebuilt with FlashInfer's own preparation; worst relative error "
+                          f"{worst.rel_error:.3g} (rank {worst.rank}, layer {worst.layer}"
+                          + (f", expert {worst.worst_expert}" if worst.worst_expert is not None else "") + ")",
+                          markup=False)
     out_console.print(("[green]PASS[/]" if report.passed else "[red]FAIL[/]") +
                       f": {sum(r.passed for r in report.rows)}/{len(report.rows)} checks "
                       f"(tolerance {report.tolerance:g}, {report.tokens} tokens, seed {report.seed})")
 
 
-@app.command(epilog=examples("moeshard validate out/", "moeshard validate out/ --ranks 0-3 --layers 0,1 --json"))
+@app.command(epilog=examples("moeshard validate out/", "moeshard validate out/ --ranks 0-3 --layers 0,1 --json",
+                             "moeshard validate out/ --experts 8 --tokens 8      # a quick check",
+                             "moeshard validate out/ --full --device cuda        # everything"))
 def validate(
     artifact: Annotated[Path, typer.Argument(help="Artifact folder written by moeshard convert.")],
     source: Annotated[Path | None, typer.Option(help="Source checkpoint (default: where this machine converted "
                                                         "it from, or its Hub snapshot in the local cache).")] = None,
     layers: Annotated[str | None, typer.Option(help="MoE layers to check, e.g. 0-3,7 (default: all).")] = None,
     ranks: RanksOpt = None,
+    experts: Annotated[int | None, typer.Option(min=1, help="Check a seeded sample of this many experts per layer "
+                                                            "(default: every expert).")] = None,
+    full: Annotated[bool, typer.Option("--full", help="Rebuild every checked expert with FlashInfer's own "
+                                                      "preparation and compare bytes (default: 2 per rank and "
+                                                      "layer).")] = False,
     tokens: Annotated[int, typer.Option(min=1, help="Number of random hidden states per layer.")] = 32,
     seed: Annotated[int, typer.Option(help="Seed of the hidden states.")] = 0,
     backend: Annotated[str, typer.Option(help="auto (trtllm-gen on Blackwell, else decode), trtllm-gen or "
@@ -392,10 +409,11 @@ def validate(
     """Run the MoE on every rank shard against the source; exit 1 on any failure."""
     from moeshard.validate import validate as validate_artifact
 
-    ctx, tick = _progress(not (as_json or quiet), description="validating")
+    ctx, tick = _progress(not (as_json or quiet), description="validating", in_bytes=True)
     with ctx:
-        report = validate_artifact(artifact, source=source, layers=parse_ints(layers), ranks=parse_ints(ranks), tokens=tokens,
-                     seed=seed, backend=backend, device=device, progress=tick)
+        report = validate_artifact(artifact, source=source, layers=parse_ints(layers), ranks=parse_ints(ranks),
+                                   experts=experts, full=full, tokens=tokens, seed=seed, backend=backend,
+                                   device=device, progress=tick)
     _print_report(report, as_json)
     if not report.passed:
         raise typer.Exit(1)

@@ -24,6 +24,25 @@ def test_nibble_order_low_is_even():
     assert packed.tolist() == [0xF2]
 
 
+def test_every_byte_and_every_scale_decodes_by_hand():
+    """Each of the 256 packed bytes (two nibbles, low first) under each UE8M0 scale 0..254 and each
+    E4M3 scale, by the formula; and an odd number of bytes per row."""
+    values = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    packed = torch.arange(256, dtype=torch.uint8).view(16, 16).repeat(255, 1, 1)  # [255, 16, 16]
+    scales = torch.arange(255, dtype=torch.uint8).view(255, 1, 1).expand(255, 16, 1)
+    want = torch.tensor([[values[b & 15] * 2.0 ** (s - 127), values[b >> 4] * 2.0 ** (s - 127)]
+                         for s in range(255) for b in range(256)], dtype=torch.float32)
+    assert torch.equal(dequantize_mxfp4(packed, scales).flatten(), want.flatten())
+    e4m3 = [s for s in range(256) if s & 0x7F != 0x7F]  # every E4M3 scale but NaN, one block each
+    nv = dequantize_nvfp4(torch.arange(256, dtype=torch.uint8).view(32, 8).repeat(len(e4m3), 1, 1),
+                          torch.tensor(e4m3, dtype=torch.uint8).view(-1, 1, 1).expand(-1, 32, 1), 0.75)
+    scale = torch.tensor(e4m3, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+    want = torch.tensor([[values[b & 15] * s, values[b >> 4] * s] for s in scale for b in range(256)])
+    assert torch.equal(nv.flatten(), (want * 0.75).flatten())
+    odd = torch.tensor([[0x21, 0xF7, 0x9A]], dtype=torch.uint8)
+    assert unpack_fp4(odd).tolist() == [[0.5, 1.0, 6.0, -6.0, -1.0, -0.5]]
+
+
 def test_mxfp4_matches_transformers_dequantizer():
     pytest.importorskip("transformers")
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors

@@ -135,3 +135,48 @@ def test_backend_guard_names_the_gpu(monkeypatch):
     assert select_backend("auto", "cuda")[0] == "decode"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
     assert select_backend("auto", "cuda") == ("trtllm-gen", None)
+
+
+def test_layout_check_catches_what_the_decode_shares(tmp_path, gpt_oss_tiny, deepseek_tiny, monkeypatch):
+    """The gated reorder and the row shuffle applied in the wrong order: the writer and the decoder
+    share the mistake, so every decode check passes; the rebuild with FlashInfer's own per-expert
+    preparation does not."""
+    from moeshard.convert.pipeline import convert
+    from moeshard.layouts import trtllm
+
+    def wrong_order(rows, epilogue_tile_m, gated):
+        from flashinfer.fused_moe.core import get_reorder_rows_for_gated_act_gemm_row_indices
+        from flashinfer.utils import get_shuffle_matrix_a_row_indices
+
+        probe = torch.empty(rows, 1, dtype=torch.uint8)
+        shuffle = get_shuffle_matrix_a_row_indices(probe, epilogue_tile_m=epilogue_tile_m)
+        return shuffle[get_reorder_rows_for_gated_act_gemm_row_indices(probe)] if gated else shuffle
+
+    for src in (gpt_oss_tiny, deepseek_tiny):
+        assert validate(convert(src, tmp_path / f"ok-{src.parent.name}", ep_size=2).out, tokens=4).passed
+    monkeypatch.setattr(trtllm, "_row_permutation", wrong_order)
+    for src in (gpt_oss_tiny, deepseek_tiny):
+        out = convert(src, tmp_path / f"bad-{src.parent.name}", ep_size=2).out
+        report = validate(out, tokens=4)
+        ranks = [r for r in report.rows if r.rank != "sum"]
+        assert all(r.rel_error <= report.tolerance for r in ranks)  # the decode alone passes
+        assert not report.passed and all(not r.passed and "layout check: expert" in r.detail
+                                         and "gemm1_weights" in r.detail for r in ranks), [r.detail for r in ranks]
+        assert all(r.layout_checked == 2 for r in ranks)
+
+
+def test_choosing_what_to_check_and_the_report(artifacts):
+    out = artifacts("deepseek_tiny", 4)
+    m = read_manifest(out)
+    report = validate(out, layers=[m["moe_layers"][1]["layer"]], ranks=[1, 3], experts=5, tokens=4, seed=3)
+    assert report.passed and report.coverage["experts"] == [5, 16] and report.coverage["ranks"] == [2, 4]
+    assert report.coverage["layers"] == [1, 2]
+    assert sum(r.experts_checked for r in report.rows) == sum(  # the seeded sample's experts of ranks 1 and 3
+        1 for e in torch.randperm(16, generator=torch.Generator().manual_seed(3 + 2))[:5].tolist() if 4 <= e < 8
+        or 12 <= e < 16)
+    assert not any(r.rank == "sum" for r in report.rows)  # a sample cannot be summed to the full layer
+    assert [s["layer"] for s in report.layers] == [2] and report.layers[0]["artifact_bytes"] > 0
+    full = validate(out, tokens=4, full=True)
+    assert full.passed and all(r.layout_checked == r.experts_checked == 4 for r in full.rows if r.rank != "sum")
+    doc = full.to_json()
+    assert len(doc["layers"]) == 2 and doc["layers"][0]["checks"] == 5

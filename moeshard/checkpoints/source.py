@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
 
-from moeshard.checkpoints.safetensors_io import INDEX_NAME, SINGLE_NAME, TensorInfo, read_header
+from moeshard.checkpoints.safetensors_io import DTYPES, INDEX_NAME, SINGLE_NAME, TensorInfo, pread_into, read_header
 from moeshard.errors import MoeshardError
 from moeshard.files import load_json
 from moeshard.paths import inside
@@ -17,8 +18,8 @@ class Checkpoint:
     """A Hugging Face style safetensors checkpoint on local disk.
 
     Holds config.json, the optional hf_quant_config.json, and every tensor's header
-    (:class:`TensorInfo`); tensor bytes are read only by :meth:`read`, through safetensors'
-    memory map, and only the requested slice.
+    (:class:`TensorInfo`); tensor bytes are read only by :meth:`read`, and only the requested
+    slice.
     """
 
     def __init__(self, root: Path, *, with_config: bool = True, partial: bool = False):
@@ -34,7 +35,8 @@ class Checkpoint:
         self.quant_config = load_json(qpath) if with_config and qpath.is_file() else None
         self.tensors = self._read_headers()
         self._handles: dict[str, object] = {}
-        self._fds: dict[str, int] = {}  # for prefetch
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
         self.bytes_read = 0  # tensor bytes returned by read(), for throughput reports
 
     def file(self, rel: str, where: str | None = None) -> Path:
@@ -125,16 +127,41 @@ class Checkpoint:
         return t
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Tensor ``name``, or its rows ``[start, stop)`` along dim 0, as a new CPU tensor."""
+        """Tensor ``name``, or its rows ``[start, stop)`` along dim 0, as a new CPU tensor: one
+        ``pread`` of exactly its bytes (safe from several threads at once)."""
+        t = self.info(name)
+        if t.offset < 0 or t.dtype == "F4":  # no byte offset known, or a sub-byte dtype
+            return self._read_mapped(name, start, stop)
+        n = t.shape[0] if t.shape else 1
+        a, b = (0, n) if start is None and stop is None else slice(start, stop).indices(n)[:2]
+        b = max(a, b)
+        out = torch.empty((b - a, *t.shape[1:]) if t.shape else (), dtype=DTYPES[t.dtype])
+        if out.numel():
+            pread_into(self._fd(t.file), memoryview(out.reshape(-1).view(torch.uint8).numpy()),
+                       t.offset + a * (t.nbytes // n), f"{self.root / t.file} (tensor {name})")
+        with self._lock:
+            self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def _read_mapped(self, name: str, start: int | None, stop: int | None) -> torch.Tensor:
         from safetensors import safe_open
 
         t = self.info(name)
-        f = self._handles.get(t.file)
-        if f is None:
-            f = self._handles[t.file] = safe_open(self.root / t.file, framework="pt")
+        with self._lock:
+            f = self._handles.get(t.file)
+            if f is None:
+                f = self._handles[t.file] = safe_open(self.root / t.file, framework="pt")
         t = f.get_tensor(name) if start is None and stop is None else f.get_slice(name)[start:stop]
-        self.bytes_read += t.numel() * t.element_size()
-        return t
+        with self._lock:
+            self.bytes_read += t.numel() * t.element_size()
+        return t.clone()
+
+    def _fd(self, rel: str) -> int:
+        with self._lock:
+            fd = self._fds.get(rel)
+            if fd is None:
+                fd = self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
+            return fd
 
     def prefetch(self, name: str, start: int | None = None, stop: int | None = None) -> None:
         """Ask the kernel to start reading tensor ``name`` (or its rows ``[start, stop)``) now
@@ -146,10 +173,7 @@ class Checkpoint:
         row = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
         a = t.offset + (start or 0) * row
         b = t.offset + (t.nbytes if stop is None else stop * row)
-        fd = self._fds.get(t.file)
-        if fd is None:
-            fd = self._fds[t.file] = os.open(self.root / t.file, os.O_RDONLY)
-        os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
+        os.posix_fadvise(self._fd(t.file), a, b - a, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         self._handles.clear()

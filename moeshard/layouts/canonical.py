@@ -131,3 +131,16 @@ def pad_experts(c: CanonicalExperts, hidden_pad: int, inter_pad: int) -> Canonic
     w13_bias = None if c.w13_bias is None else _pad_halves(c.w13_bias, i, inter_pad)
     w2_bias = None if c.w2_bias is None else _pad_last(c.w2_bias, hidden_pad)
     return c.replace(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def unpad_experts(c: CanonicalExperts, hidden: int, inter: int) -> CanonicalExperts:
+    """The inverse of :func:`pad_experts`: the top-left ``H = hidden``, ``I = inter`` corner of
+    padded experts (each half of ``w13`` cut to its first ``inter`` rows). Views where possible;
+    the padding itself is not looked at. Precondition: ``inter`` a multiple of the scale block."""
+    if (hidden, inter) == (c.hidden_size, c.intermediate_size):
+        return c
+    c = slice_intermediate(c, 0, inter) if inter != c.intermediate_size else c
+    sf = c.sf_vec_size
+    return c.replace(w13=c.w13[:, :, :hidden // 2], w13_scale=c.w13_scale[:, :, :hidden // sf],
+                     w2=c.w2[:, :hidden], w2_scale=c.w2_scale[:, :hidden],
+                     w2_bias=None if c.w2_bias is None else c.w2_bias[:, :hidden])

@@ -21,6 +21,35 @@ def engine_interleave(sf: torch.Tensor) -> torch.Tensor:
     return interleave_scales_128x4(sf.unsqueeze(0)).flatten()
 
 
+def flashinfer_layout(c, interleave=None, cache: dict | None = None) -> dict[str, torch.Tensor]:
+    """The kernel tensors of one expert as an engine prepares them with FlashInfer's own helpers:
+    ``_maybe_get_cached_w3_w1_permute_indices`` (gated reorder, then row shuffle) on GEMM1's
+    weights, scales (``num_elts_per_sf=16``, as vLLM passes it for both formats) and bias,
+    ``get_w2_permute_indices_with_cache`` (row shuffle) on GEMM2's, epilogue_tile_m 128, then the
+    128x4 interleave of the scales (:func:`engine_interleave`).
+
+    ``c``: one expert's padded canonical tensors (a :class:`~moeshard.layouts.canonical.
+    CanonicalExperts` of one: ``w13 [1, 2*I, H/2]`` rows ``[up ; gate]``, ...). Returns ``[1, ...]``
+    tensors named as the artifact's (scales as float8_e4m3fn). Shares none of moeshard's
+    permutation code: the layout check of ``moeshard validate``.
+    """
+    from flashinfer.fused_moe.core import _maybe_get_cached_w3_w1_permute_indices, get_w2_permute_indices_with_cache
+
+    interleave, cache = interleave or engine_interleave, {} if cache is None else cache
+    g1 = lambda t, **kw: t[_maybe_get_cached_w3_w1_permute_indices(cache, t, 128, **kw).to(t.device)]  # noqa: E731
+    g2 = lambda t, **kw: t[get_w2_permute_indices_with_cache(cache, t, 128, **kw).to(t.device)]  # noqa: E731
+    w13, s13, w2, s2 = c.w13[0], c.w13_scale[0].view(torch.uint8), c.w2[0], c.w2_scale[0].view(torch.uint8)
+    out = {"gemm1_weights": g1(w13), "gemm2_weights": g2(w2),
+           "gemm1_weights_scale": interleave(g1(s13, num_elts_per_sf=16).contiguous()).reshape(s13.shape),
+           "gemm2_weights_scale": interleave(g2(s2, num_elts_per_sf=16).contiguous()).reshape(s2.shape)}
+    out["gemm1_weights_scale"] = out["gemm1_weights_scale"].view(torch.float8_e4m3fn)
+    out["gemm2_weights_scale"] = out["gemm2_weights_scale"].view(torch.float8_e4m3fn)
+    if c.w13_bias is not None:
+        out["gemm1_bias"] = g1(c.w13_bias[0].float().reshape(-1, 1)).reshape(-1)
+        out["gemm2_bias"] = g2(c.w2_bias[0].float().reshape(-1, 1)).reshape(-1)
+    return {k: v.unsqueeze(0) for k, v in out.items()}
+
+
 def swap_every_two_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     """vLLM's ``swap_every_two_rows``: rows 2k <-> 2k+1 along ``dim``."""
     shape = x.shape

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -16,9 +18,8 @@ from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.files import load_json
 from moeshard.layouts.canonical import CanonicalExperts
-from moeshard.layouts.kernel import kernel_scalars
-from moeshard.layouts.trtllm import from_trtllm, to_trtllm_padded
 from moeshard.validate.backends import run_trtllm, select_backend, trtllm_args
+from moeshard.validate.check import GroupCheck, LayerJob, RankResult, Routing, _rel, read_ahead
 from moeshard.validate.moe import moe_forward, route
 
 #: Relative error (Frobenius) above which a check fails. decode runs the same fp32 math as the
@@ -37,6 +38,8 @@ class Row:
     passed: bool
     detail: str = ""
     worst_expert: int | None = None
+    experts_checked: int = 0
+    layout_checked: int = 0  # experts compared with FlashInfer's own preparation
 
 
 @dataclass
@@ -50,6 +53,8 @@ class ValidationReport:
     tolerance: float
     notes: list[str] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
+    coverage: dict = field(default_factory=dict)  # layers, ranks, experts: [checked, of]
+    layers: list[dict] = field(default_factory=list)  # per layer: checks, worst error and where, seconds
 
     @property
     def passed(self) -> bool:
@@ -72,60 +77,13 @@ def expert_fn(c: CanonicalExperts, fmt: QuantFormat, device: str) -> Callable[[i
         else:
             i = c.intermediate_size  # rows [up ; gate]: each half with its own scale
             s13 = torch.cat((c.w3_scale_2[e].expand(i), c.w1_scale_2[e].expand(i))).to(device).unsqueeze(-1)
-            w13 = dequantize_nvfp4(c.w13[e].to(device), c.w13_scale[e].to(device), 1.0) * s13
+            w13 = dequantize_nvfp4(c.w13[e].to(device), c.w13_scale[e].to(device), None) * s13
             w2 = dequantize_nvfp4(c.w2[e].to(device), c.w2_scale[e].to(device), c.w2_scale_2[e].to(device))
         b13 = None if c.w13_bias is None else c.w13_bias[e].to(device)
         b2 = None if c.w2_bias is None else c.w2_bias[e].to(device)
         return w13, w2, b13, b2
 
     return get
-
-
-def _to(c: CanonicalExperts, device: str) -> CanonicalExperts:
-    return c.replace(**{k: v.to(device) for k, v in c.__dict__.items() if isinstance(v, torch.Tensor)})
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    diff = (got - want).float()
-    denom = want.float().norm().item()
-    return diff.abs().max().item(), (diff.norm().item() / denom if denom > 0 else diff.norm().item())
-
-
-def _padding_leaks(c: CanonicalExperts, h: int, i: int, tp_rank: int = 0) -> list[str]:
-    """Names of the kernel tensors whose padding (beyond the source's H and the rank's I) is not
-    zero, and ``gemm2_bias`` when a TP rank other than 0 carries one."""
-    ip = c.intermediate_size
-    sf = c.sf_vec_size
-    leaks = []
-    for name, t, rows, cols in (("gemm1_weights", c.w13, i, h // 2), ("gemm1_weights_scale", c.w13_scale, i, h // sf)):
-        for half in (t[:, :ip], t[:, ip:]):
-            if half[:, rows:].any() or half[:, :, cols:].any():
-                leaks.append(name)
-                break
-    for name, t, rows, cols in (("gemm2_weights", c.w2, h, i // 2), ("gemm2_weights_scale", c.w2_scale, h, i // sf)):
-        if t[:, rows:].any() or t[:, :, cols:].any():
-            leaks.append(name)
-    if c.w13_bias is not None and (c.w13_bias[:, i:ip].any() or c.w13_bias[:, ip + i:].any()):
-        leaks.append("gemm1_bias")
-    if c.w2_bias is not None and (c.w2_bias[:, h:].any() or (tp_rank > 0 and c.w2_bias.any())):
-        leaks.append("gemm2_bias")
-    return leaks
-
-
-def _diagnose(kt: dict[str, torch.Tensor], want: dict[str, torch.Tensor], experts: list[int]) -> str:
-    """Which stored tensors differ from the conversion of the source, and from which expert on."""
-    bad = []
-    for name, t in sorted(want.items()):
-        got = kt.get(name)
-        if got is None or got.shape != t.shape:
-            bad.append(f"{name} (missing or shape {None if got is None else list(got.shape)})")
-            continue
-        a, b = got.reshape(got.shape[0] if got.dim() else 1, -1), t.reshape(t.shape[0] if t.dim() else 1, -1)
-        differ = (a.view(torch.uint8) != b.view(torch.uint8)).any(dim=-1) if a.dtype.itemsize == 1 else (a != b).any(-1)
-        if differ.any():
-            first = int(differ.nonzero()[0])
-            bad.append(f"{name} (expert {experts[first]})" if got.dim() else name)
-    return ", ".join(bad)
 
 
 def source_folder(out: Path, m: Manifest) -> Path:
@@ -146,27 +104,42 @@ def source_folder(out: Path, m: Manifest) -> Path:
     raise MoeshardError(f"{out}: its source ({src.label()}) is not on this machine; pass --source FOLDER")
 
 
+def _sample(n: int, k: int | None, seed: int) -> list[int]:
+    """``k`` of ``range(n)`` drawn with ``seed`` (all when k is None or >= n), sorted."""
+    if k is None or k >= n:
+        return list(range(n))
+    return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k].tolist())
+
+
 def validate(out: Path, *, source: Path | None = None, layers: list[int] | None = None,
-             ranks: list[int] | None = None, tokens: int = 32, seed: int = 0, backend: str = "auto",
-             device: str = "cpu", progress: Callable[[int, str], None] | None = None) -> ValidationReport:
+             ranks: list[int] | None = None, experts: int | None = None, tokens: int = 32, seed: int = 0,
+             backend: str = "auto", device: str = "cpu", full: bool = False, layout_sample: int = 2,
+             progress: Callable[[int, str], None] | None = None) -> ValidationReport:
     """Compare every chosen (rank, layer) of artifact ``out`` with the source checkpoint.
 
     Per layer, hidden states ``[tokens, H]`` float32 are drawn from ``seed + layer`` and routed
-    with the source router. Per rank:
+    with the source router. ``experts`` checks a seeded sample of that many experts per layer
+    (default: all). Per rank:
 
-    - decode: every local expert on every token (so that no expert escapes for lack of routed
-      tokens), the rank's routed partial output, and zero padding, from the artifact read back
-      the way the kernel reads it, against the same experts dequantized from the source;
+    - decode (:mod:`moeshard.validate.check`): every checked expert on every token (so that no
+      expert escapes for lack of routed tokens), the rank's routed partial output and zero
+      padding, from the artifact read back the way the kernel reads it, against the same experts
+      dequantized from the source; and ``layout_sample`` experts per rank and layer (all with
+      ``full``) rebuilt from the source with FlashInfer's own per-expert preparation, byte for
+      byte. Each layer's source and artifact bytes are read once, in bounded chunks;
     - trtllm-gen: the kernel's partial output for the rank against the reference on the same
       (bf16 or NVFP4-quantized) activations.
 
-    When every rank is chosen, the sum of the partial outputs is compared with the full layer
-    computed from all source experts. A failing rank is named with layer, tensor and expert.
+    When every rank and expert is checked, the sum of the partial outputs is compared with the
+    full layer computed from all source experts. A failing rank is named with layer, tensor and
+    expert.
     """
     out = Path(out)
     m = Manifest.read(out)
     if tokens < 1:
         raise MoeshardError(f"--tokens: expected a positive integer, found {tokens}")
+    if experts is not None and experts < 1:
+        raise MoeshardError(f"--experts: expected a positive integer, found {experts}")
     src = Path(source) if source is not None else source_folder(out, m)
     backend, note = select_backend(backend, device)
     tol = TOLERANCE[backend]
@@ -186,99 +159,154 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
         raise MoeshardError(f"{out}: placement {m.placement}: FlashInfer's from-logits trtllm-gen kernel needs each "
                             "rank's experts contiguous; use --backend decode")
     tick = progress or (lambda n, what: None)
-    if hasattr(tick, "total"):
-        tick.total(len(layers) * len(ranks))
-    rank_folder = {r.rank: artifact_file(out, r.folder) for r in m.ranks}
 
-    with Checkpoint(src, partial=True) as ckpt, \
-            Checkpoint(artifact_file(out, m.common.folder) if m.common else src, with_config=False,
-                       partial=True) as common:
+    with ExitStack() as stack:
+        ckpt = stack.enter_context(Checkpoint(src, partial=True))
+        common = stack.enter_context(Checkpoint(artifact_file(out, m.common.folder) if m.common else src,
+                                                with_config=False, partial=True))
+        rank_files = {r: stack.enter_context(Checkpoint(artifact_file(out, m.rank(r).folder), with_config=False))
+                      for r in ranks}
         adapter = detect(ckpt)
         spec = adapter.spec(ckpt)
         if spec.family.value != m.family:
             raise MoeshardError(f"{src}: source family {spec.family.value} but {out} was made from {m.family}")
-        fmt = spec.quant_format
-        h = spec.hidden_size
         h_pad, i_pad = m.padding.hidden_size_padded, m.padding.intermediate_size_padded
+        layer_bytes = {(r, x): sum(t.nbytes for k, t in rank_files[r].tensors.items()
+                                   if k.startswith(m.layer(x).prefix + ".")) for r in ranks for x in layers}
+        if hasattr(tick, "total"):
+            tick.total(sum(layer_bytes.values()))
+        sampled = experts is not None and experts < m.num_experts
+        report.coverage = {"layers": [len(layers), len(all_layers)], "ranks": [len(ranks), m.rank_count],
+                           "experts": [min(experts or m.num_experts, m.num_experts), m.num_experts],
+                           "layout_experts_per_rank": "all" if full else layout_sample}
+        jobs = {layer: _jobs(m, layer, ranks, rank_files, _sample(m.num_experts, experts, seed + layer),
+                             None if full else layout_sample, seed) for layer in layers}
+        per_expert = 12 * spec.hidden_size * spec.intermediate_size  # float32 bytes of w13 and w2
+        pin = str(device).startswith("cuda")
+        work = [(job, chunk) for layer in layers for job in jobs[layer] for chunk in job.chunks(per_expert, device)]
+        loaded = read_ahead((lambda job=job, chunk=chunk: job.load(chunk, adapter, ckpt, spec, pin))
+                            for job, chunk in (work if backend == "decode" else []))
+        stack.callback(loaded.close)
+        layout_cache: dict = {}
         for layer in layers:
+            t0 = time.perf_counter()
             entry = m.layer(layer)
-            args = entry.kernel_args
-            x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(seed + layer)).to(device)
+            x = torch.randn(tokens, spec.hidden_size, generator=torch.Generator().manual_seed(seed + layer)).to(device)
             router = {k: common.read(v.format(layer=layer)).float().to(device) for k, v in spec.router.items()}
             logits = x @ router["weight"].T
             if "bias" in router:
                 logits = logits + router["bias"]
-            ids, weights = route(logits, args, router.get("correction_bias"))
-            on_input = bool(args.get("apply_weight_on_input"))
-            x_pad = torch.nn.functional.pad(x, (0, h_pad - h))
-            scales = adapter.input_scales(ckpt, spec, layer)
-            sum_got = torch.zeros(tokens, h, device=device)
-            x_ref = x  # the activations the reference sees (the kernel's, for trtllm-gen)
-            for r in ranks:
-                info = m.rank(r)
-                experts, n = list(info.experts), info.local_num_experts
-                where = f"{info.folder}: {entry.prefix}"
-                ref = _to(read_rank_experts(adapter, ckpt, spec, layer, experts, *info.intermediate_slice,
-                                            info.tp_rank), device)
-                with Checkpoint(rank_folder[r], with_config=False) as rf:
-                    names = [k for k in rf.tensors if k.startswith(entry.prefix + ".")]
-                    if not names:
-                        raise MoeshardError(f"{rf.root}: no tensors under {entry.prefix}")
-                    kt = {k[len(entry.prefix) + 1:]: rf.read(k).to(device) for k in names}
-                checks: list[tuple[float, float, int | None]] = []
-                if backend == "trtllm-gen":
-                    kargs, x_used = trtllm_args(kt, args, {"local_expert_offset": info.local_expert_offset,
-                                                          "local_num_experts": n}, x_pad, logits,
-                                                router.get("correction_bias"))
-                    x_ref = x_used[:, :h]
-                    got = run_trtllm(kargs)[:, :h]
-                    want = moe_forward(x_ref, expert_fn(ref, fmt, device), experts, ids, weights, spec.activation,
-                                       on_input)
-                    checks.append((*_rel(got, want), None))
-                    leaks: list[str] = []
-                else:
-                    art = from_trtllm(kt)
-                    act = dict(spec.activation)
-                    if act["type"] == "swiglu_oai":
-                        act.update(alpha=kt["gemm1_alpha"], beta=kt["gemm1_beta"], limit=kt["gemm1_clamp_limit"])
-                    a, b = info.intermediate_slice
-                    leaks = _padding_leaks(art, h, b - a, info.tp_rank)
-                    src_fn, art_fn = expert_fn(ref, fmt, device), expert_fn(art, fmt, device)
-                    ones = torch.ones(tokens, 1, device=device)
-                    for ge in experts:  # each expert alone, on every token
-                        one = torch.full((tokens, 1), ge, device=device, dtype=torch.long)
-                        want_e = moe_forward(x, src_fn, experts, one, ones, spec.activation)
-                        got_e = moe_forward(x_pad, art_fn, experts, one, ones, act)[:, :h]
-                        checks.append((*_rel(got_e, want_e), ge))
-                    want = moe_forward(x, src_fn, experts, ids, weights, spec.activation, on_input)
-                    got = moe_forward(x_pad, art_fn, experts, ids, weights, act, on_input)[:, :h]
-                    checks.append((*_rel(got, want), None))
-                max_abs = max(c[0] for c in checks)
-                rel = max(c[1] for c in checks)
-                # Name the worst single expert when one fails on its own, else the routed output.
-                worst = max(checks, key=lambda c: (c[2] is not None and c[1] > tol, c[1]))
-                ok = rel <= tol and not leaks
-                detail = ""
-                if not ok:
-                    want_t = to_trtllm_padded(ref, h_pad, i_pad)
-                    want_t.update({k: v.to(device) for k, v in
-                                   kernel_scalars(spec.activation, n, {k: getattr(ref, k) for k in (
-                                       "w1_scale_2", "w3_scale_2", "w2_scale_2")}, scales).items()})
-                    bad = _diagnose(kt, want_t, experts)
-                    what = (f"padding not zero in {', '.join(leaks)}" if leaks else
-                            f"relative error {worst[1]:.3g} > {tol:g}" +
-                            (f" at expert {worst[2]}" if worst[2] is not None else " on the routed output"))
-                    detail = f"{where}: {what}" + (f"; differs from the converted source: {bad}" if bad else "")
-                report.rows.append(Row(r, layer, backend, max_abs, rel, ok, detail, None if ok else worst[2]))
-                sum_got += got
-                tick(1, f"rank {r} layer {layer}")
-            if sorted(ranks) == all_ranks and len(all_ranks) == m.rank_count > 1:
-                full = _to(read_experts(adapter, ckpt, spec, layer, 0, spec.num_experts), device)
-                want = moe_forward(x_ref, expert_fn(full, fmt, device), range(spec.num_experts), ids, weights,
-                                   spec.activation, on_input)
-                max_abs, rel = _rel(sum_got, want)
+            ids, weights = route(logits, entry.kernel_args, router.get("correction_bias"))
+            on_input = bool(entry.kernel_args.get("apply_weight_on_input"))
+            if backend == "trtllm-gen":
+                rows = [_trtllm_rank(m.rank(r), entry, rank_files[r], adapter, ckpt, spec, x, logits, ids, weights,
+                                     router, device, tol) for r in ranks]
+                sum_got, want_full = sum(row_got for _, row_got in rows), None
+                rows = [row for row, _ in rows]
+            else:
+                routing = Routing(x, ids, weights, on_input)
+                scales = adapter.input_scales(ckpt, spec, layer)
+                rows, sum_got, want_full = [], torch.zeros(tokens, spec.hidden_size, device=device), \
+                    torch.zeros(tokens, spec.hidden_size, device=device)
+                for job in jobs[layer]:
+                    group = GroupCheck(job, spec=spec, routing=routing, h_pad=h_pad, i_pad=i_pad, scales=scales,
+                                       device=device, tol=tol, tick=tick, layout_cache=layout_cache)
+                    for chunk in job.chunks(per_expert, device):
+                        group.add(chunk, *next(loaded))
+                    want_full += group.want
+                    for (e, _), res in zip(job.ranks, group.results):
+                        rows.append(_decode_row(e, entry, res, tol))
+                        sum_got += res.got
+            report.rows += rows
+            if sorted(ranks) == all_ranks and len(all_ranks) == m.rank_count > 1 and not sampled:
+                if want_full is None:  # trtllm-gen: the reference on the kernel's own activations
+                    full = read_experts(adapter, ckpt, spec, layer, 0, spec.num_experts)
+                    want_full = moe_forward(x, expert_fn(full, spec.quant_format, device), range(spec.num_experts),
+                                            ids, weights, spec.activation, on_input)
+                max_abs, rel = _rel(sum_got, want_full)
                 ok = rel <= tol
                 report.rows.append(Row("sum", layer, backend, max_abs, rel, ok,
                                        "" if ok else f"layer {layer}: sum over ranks differs from the full layer "
                                        f"(relative error {rel:.3g} > {tol:g})"))
+            if str(device).startswith("cuda"):
+                torch.cuda.synchronize()
+            report.layers.append(_layer_summary(layer, [r for r in report.rows if r.layer == layer],
+                                                time.perf_counter() - t0,
+                                                sum(layer_bytes[(r, layer)] for r in ranks)))
     return report
+
+
+def _jobs(m: Manifest, layer: int, ranks: list[int], rank_files: dict, chosen: list[int], layout: int | None,
+          seed: int) -> list[LayerJob]:
+    """One job per EP group of the chosen ranks: its experts, the chosen ones among them, and
+    ``layout`` of those (all when None) for the FlashInfer layout check, drawn per group."""
+    chosen, entry, out = set(chosen), m.layer(layer), []
+    for ep_rank in sorted({m.rank(r).ep_rank for r in ranks}):
+        members = [m.rank(r) for r in ranks if m.rank(r).ep_rank == ep_rank]
+        group = list(members[0].experts)
+        check = [k for k, ge in enumerate(group) if ge in chosen]
+        pick = _sample(len(check), layout, seed + layer + 7919 * ep_rank)
+        out.append(LayerJob(layer, group, check, {check[k] for k in pick},
+                            [(e, _reader(rank_files[e.rank], entry.prefix)) for e in members]))
+    return out
+
+
+def _reader(rf: Checkpoint, prefix: str) -> Callable[[int, int], dict[str, torch.Tensor]]:
+    """Reads a rank's kernel tensors of one layer for local experts ``[k0, k1)`` (``[]``-shaped
+    tensors whole)."""
+    names = [k for k in rf.tensors if k.startswith(prefix + ".")]
+    if not names:
+        raise MoeshardError(f"{rf.root}: no tensors under {prefix}")
+
+    def read(k0: int, k1: int) -> dict[str, torch.Tensor]:
+        return {k[len(prefix) + 1:]: rf.read(k, k0, k1) if rf.tensors[k].shape else rf.read(k) for k in names}
+
+    return read
+
+
+def _decode_row(e, entry, res: RankResult, tol: float) -> Row:
+    """One rank's row from its decode check: the worst of every expert alone and the routed output."""
+    routed_abs, routed_rel = _rel(res.got, res.want)
+    max_abs, rel = max(res.max_abs, routed_abs), max(res.worst_rel, routed_rel)
+    worst = res.worst_expert if res.worst_rel > tol else None
+    problems = [f"padding not zero in {', '.join(res.leaks)}"] if res.leaks else []
+    if rel > tol:
+        problems.append(f"relative error {rel:.3g} > {tol:g}" + (f" at expert {worst}" if worst is not None else
+                                                                " on the routed output"))
+    if res.layout_problems:
+        problems.append(f"layout check: {'; '.join(res.layout_problems)}")
+    detail = f"{e.folder}: {entry.prefix}: {'; '.join(problems)}" if problems else ""
+    if problems and res.diagnosis:
+        detail += f"; differs from the converted source: {', '.join(res.diagnosis)}"
+    return Row(e.rank, entry.layer, "decode", max_abs, rel, not problems, detail, worst, res.experts_checked,
+               res.layout_checked)
+
+
+def _layer_summary(layer: int, rows: list[Row], seconds: float, nbytes: int) -> dict:
+    worst = max(rows, key=lambda r: r.rel_error) if rows else None
+    return {"layer": layer, "checks": len(rows), "passed": all(r.passed for r in rows),
+            "worst_rel_error": worst.rel_error if worst else None, "worst_rank": worst.rank if worst else None,
+            "worst_expert": worst.worst_expert if worst else None, "seconds": round(seconds, 3),
+            "artifact_bytes": nbytes}
+
+
+def _trtllm_rank(info, entry, rf: Checkpoint, adapter, ckpt, spec, x, logits, ids, weights, router, device,
+                 tol) -> tuple[Row, torch.Tensor]:
+    """The trtllm-gen kernel's partial output of one rank (Blackwell only) against the reference
+    on the same activations."""
+    experts, n = list(info.experts), info.local_num_experts
+    h, h_pad = spec.hidden_size, entry.kernel_args["hidden_size"]
+    ref = read_rank_experts(adapter, ckpt, spec, entry.layer, experts, *info.intermediate_slice, info.tp_rank)
+    ref = ref.replace(**{k: v.to(device) for k, v in ref.__dict__.items() if isinstance(v, torch.Tensor)})
+    kt = {k: v.to(device) for k, v in _reader(rf, entry.prefix)(0, n).items()}
+    kargs, x_used = trtllm_args(kt, entry.kernel_args, {"local_expert_offset": info.local_expert_offset,
+                                                        "local_num_experts": n},
+                                torch.nn.functional.pad(x, (0, h_pad - h)), logits, router.get("correction_bias"))
+    got = run_trtllm(kargs)[:, :h]
+    want = moe_forward(x_used[:, :h], expert_fn(ref, spec.quant_format, device), experts, ids, weights,
+                       spec.activation, bool(entry.kernel_args.get("apply_weight_on_input")))
+    max_abs, rel = _rel(got, want)
+    ok = rel <= tol
+    return Row(info.rank, entry.layer, "trtllm-gen", max_abs, rel, ok,
+               "" if ok else f"{info.folder}: {entry.prefix}: relative error {rel:.3g} > {tol:g} on the routed output",
+               None, n, 0), got

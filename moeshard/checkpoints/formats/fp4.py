@@ -7,6 +7,8 @@ uint8, the low nibble holds the even element. Logical shape ``[..., K]`` is stor
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 #: E2M1 value of each 4-bit code (bit 3 = sign); the table of transformers' and openai's decoders.
@@ -17,16 +19,43 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 
 
-def _lut(device: torch.device) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+@functools.cache
+def _pairs(device: torch.device) -> torch.Tensor:
+    """``[256, 2]`` float32: the two E2M1 values of each packed byte, low nibble first."""
+    e2m1 = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    b = torch.arange(256)
+    return torch.stack((e2m1[b & 0x0F], e2m1[b >> 4]), dim=-1).to(device)
+
+
+@functools.cache
+def _block_table(device: torch.device, scale_kind: str) -> torch.Tensor:
+    """``[65536, 2]`` float32, indexed by ``scale byte << 8 | packed byte``: the byte's two values
+    times the block scale, exact in float32 (a UE8M0 power of two, ``2 ** (s - 127)``, 255 NaN as
+    in OCP MX; or an E4M3 value: at most 6 significant bits in the product)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    if scale_kind == "ue8m0":
+        scale = torch.ldexp(torch.ones(256), torch.arange(256) - 127)
+        scale[255] = float("nan")
+    else:
+        scale = codes.view(torch.float8_e4m3fn).float()
+    return (scale.view(256, 1, 1) * _pairs(torch.device("cpu")).view(1, 256, 2)).reshape(65536, 2).to(device)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Decode packed E2M1 ``[..., K // 2]`` uint8 into float32 values ``[..., K]``."""
-    lut = _lut(packed.device)
-    lo = lut[(packed & 0x0F).long()]
-    hi = lut[(packed >> 4).long()]
-    return torch.stack((lo, hi), dim=-1).flatten(-2)
+    vals = _pairs(packed.device).index_select(0, packed.reshape(-1).int())
+    return vals.view(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _decode_blocks(packed: torch.Tensor, scales: torch.Tensor, scale_kind: str) -> torch.Tensor:
+    """``packed [..., K // 2]`` uint8 under byte block scales ``[..., K // block]`` -> float32
+    ``[..., K]``: one gather of two scaled values per packed byte."""
+    scales = scales.view(torch.uint8)
+    per_block = packed.shape[-1] // scales.shape[-1]
+    idx = torch.empty(*scales.shape, per_block, dtype=torch.int32, device=packed.device)
+    torch.add((scales.int() << 8).unsqueeze(-1), packed.reshape(*scales.shape, per_block), out=idx)
+    vals = _block_table(packed.device, scale_kind).index_select(0, idx.flatten())
+    return vals.view(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -59,10 +88,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     -------
     ``[..., K]`` float32
     """
-    vals = unpack_fp4(packed)
-    exp = scales.to(torch.int32) - 127
-    vals = vals.unflatten(-1, (scales.shape[-1], MXFP4_BLOCK))
-    return torch.ldexp(vals, exp.unsqueeze(-1)).flatten(-2)
+    return _decode_blocks(packed, scales, "ue8m0")
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,23 +106,23 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, (exp + 127).to(torch.uint8)
 
 
-def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor | float) -> torch.Tensor:
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor | float | None) -> torch.Tensor:
     """NVFP4 to float32: ``fp4 value * E4M3 block scale * weight_scale_2``.
 
     Parameters
     ----------
     packed : ``[..., K // 2]`` uint8
     scales : ``[..., K // 16]`` float8_e4m3fn (or its uint8 bytes)
-    scale_2 : float32 scalar, or ``[E]`` broadcast over the leading expert dim.
+    scale_2 : float32 scalar, or ``[E]`` broadcast over the leading expert dim; None: left out
+        (the caller applies it).
     """
-    if scales.dtype == torch.uint8:
-        scales = scales.view(torch.float8_e4m3fn)
-    vals = unpack_fp4(packed).unflatten(-1, (scales.shape[-1], NVFP4_BLOCK))
-    out = (vals * scales.float().unsqueeze(-1)).flatten(-2)
+    out = _decode_blocks(packed, scales, "e4m3")
+    if scale_2 is None:
+        return out
     s2 = torch.as_tensor(scale_2, dtype=torch.float32, device=out.device)
     if s2.dim() == 1:
         s2 = s2.view(-1, *([1] * (out.dim() - 1)))
-    return out * s2
+    return out.mul_(s2)
 
 
 def quantize_nvfp4(w: torch.Tensor, scale_2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
