@@ -12,7 +12,8 @@ into memory (``pread``, merged ranges, on as many threads as validate reads with
 that reader); ``validate_s``, the layer's share of one ``validate`` over all layers (from its
 report); their ratio. Warm: everything read once before. Cold: the files' pages dropped
 (``/proc/sys/vm/drop_caches`` when allowed, else ``posix_fadvise(DONTNEED)`` per file) before the
-read pass and again before the validate pass. Also: peak GPU memory, peak host RSS of validate,
+read pass and again before the validate pass. Also: peak GPU memory, the growth of host RSS
+during validate (peak minus before),
 FlashInfer's first-call JIT (excluded from the times), and the cost of the layout check (a warm
 run with it off). Prints a table; ``--json-out`` writes it with the details.
 
@@ -39,7 +40,7 @@ from moeshard.checkpoints.source import Checkpoint
 from moeshard.convert.pipeline import convert
 from moeshard.fixtures import deepseek, fixture
 from moeshard.validate import validate
-from moeshard.validate.check import READERS
+from moeshard.validate.check import readers
 
 CASES = {"gpt-oss-120b": ("gpt-oss", "gpt-oss-120b", 4, {}),
          "deepseek-r1": ("deepseek", "deepseek-r1", 5, {"first_k_dense_replace": 1, "mtp": False})}
@@ -110,15 +111,19 @@ class PeakRss:
 
     def __enter__(self):
         self.peak, self._stop = 0, threading.Event()
+        self.before = self._rss()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
         return self
 
+    @staticmethod
+    def _rss() -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+        return int(line.split()[1]) // 1024
+
     def _run(self):
         while not self._stop.is_set():
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    self.peak = max(self.peak, int(line.split()[1]) // 1024)
+            self.peak = max(self.peak, self._rss())
             time.sleep(0.02)
 
     def __exit__(self, *exc):
@@ -127,6 +132,7 @@ class PeakRss:
 
 
 def timed_validate(out: Path, tokens: int, device: str, **kw) -> tuple[object, float, int, int]:
+    """One validate over every layer: (report, seconds, peak GPU MB, host RSS growth MB)."""
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -137,7 +143,7 @@ def timed_validate(out: Path, tokens: int, device: str, **kw) -> tuple[object, f
         if cuda:
             torch.cuda.synchronize()
         secs = time.perf_counter() - t0
-    return rep, secs, (torch.cuda.max_memory_allocated() >> 20) if cuda else 0, rss.peak
+    return rep, secs, (torch.cuda.max_memory_allocated() >> 20) if cuda else 0, rss.peak - rss.before
 
 
 def main() -> None:
@@ -155,7 +161,7 @@ def main() -> None:
 
     engine_interleave(torch.zeros(128, 4, dtype=torch.uint8, device=a.device))  # FlashInfer's JIT build, once
     details = {"gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
-               "flashinfer_first_call_s": round(time.perf_counter() - t0, 1), "readers": READERS, "cases": {}}
+               "flashinfer_first_call_s": round(time.perf_counter() - t0, 1), "readers": readers(a.device), "cases": {}}
     rows = []
     for name in a.cases.split(","):
         family, preset, layers, overrides = CASES[name]
@@ -176,17 +182,17 @@ def main() -> None:
         for cache in ("warm", "cold"):
             if cache == "warm":
                 for x in moe:
-                    read_ranges(ranges[x], READERS)  # into the page cache
+                    read_ranges(ranges[x], readers(a.device))  # into the page cache
                 d["evict"] = "-"
             else:
                 d["evict"] = drop([src, out])
-            reads = {x: read_ranges(ranges[x], READERS) for x in moe}
+            reads = {x: read_ranges(ranges[x], readers(a.device)) for x in moe}
             if cache == "cold":
                 drop([src, out])
             rep, secs, gpu_mb, rss_mb = timed_validate(out, a.tokens, a.device)
             timing[cache] = {"reads": reads, "report": rep, "seconds": secs}
             d[f"{cache}_validate_total_s"] = round(secs, 2)
-            d[f"{cache}_peak_gpu_mb"], d[f"{cache}_peak_rss_mb"] = gpu_mb, rss_mb
+            d[f"{cache}_peak_gpu_mb"], d[f"{cache}_rss_growth_mb"] = gpu_mb, rss_mb
             d[f"{cache}_passed"] = rep.passed
         _, secs_no_layout, _, _ = timed_validate(out, a.tokens, a.device, layout_sample=0)
         d["warm_validate_total_no_layout_check_s"] = round(secs_no_layout, 2)

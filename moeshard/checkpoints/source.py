@@ -126,16 +126,18 @@ class Checkpoint:
                                 f"(0x{int(b[bad][0]):02X}) at index {where}; it would poison the kernel")
         return t
 
-    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Tensor ``name``, or its rows ``[start, stop)`` along dim 0, as a new CPU tensor: one
-        ``pread`` of exactly its bytes (safe from several threads at once)."""
+    def read(self, name: str, start: int | None = None, stop: int | None = None, pin: bool = False) -> torch.Tensor:
+        """Tensor ``name``, or its rows ``[start, stop)`` along dim 0, as a new CPU tensor (in
+        pinned memory with ``pin``, for asynchronous copies to a GPU): one ``pread`` of exactly
+        its bytes (safe from several threads at once)."""
         t = self.info(name)
         if t.offset < 0 or t.dtype == "F4":  # no byte offset known, or a sub-byte dtype
-            return self._read_mapped(name, start, stop)
+            out = self._read_mapped(name, start, stop)
+            return out.pin_memory() if pin else out
         n = t.shape[0] if t.shape else 1
         a, b = (0, n) if start is None and stop is None else slice(start, stop).indices(n)[:2]
         b = max(a, b)
-        out = torch.empty((b - a, *t.shape[1:]) if t.shape else (), dtype=DTYPES[t.dtype])
+        out = torch.empty((b - a, *t.shape[1:]) if t.shape else (), dtype=DTYPES[t.dtype], pin_memory=pin)
         if out.numel():
             pread_into(self._fd(t.file), memoryview(out.reshape(-1).view(torch.uint8).numpy()),
                        t.offset + a * (t.nbytes // n), f"{self.root / t.file} (tensor {name})")

@@ -32,15 +32,18 @@ from moeshard.layouts.tp import gemm1_rows
 from moeshard.layouts.trtllm import from_trtllm, to_trtllm_padded
 from moeshard.validate.moe import activate
 
-#: Reader threads, and chunks read ahead of the one being checked.
-READERS = 2
+
+def readers(device: str) -> int:
+    """Reader threads (each chunk is started that many + 1 ahead of its check): one on the CPU,
+    whose cores the check needs; four feeding a GPU."""
+    return 4 if str(device).startswith("cuda") else 1
 
 
 def chunk_bytes(device: str) -> int:
     """Dequantized float32 bytes of one side (source or artifact) held at once per chunk of
-    experts: 256 MiB on the CPU, 1 GiB on a GPU. With :data:`READERS` + 1 chunks of packed bytes
-    in flight (about a seventh of that each), host memory stays under about 1.5 GiB whatever the
-    model's size."""
+    experts: 256 MiB on the CPU, 1 GiB on a GPU. Packed, a chunk is about a seventh of that per
+    side; with :func:`readers` + 1 chunks in flight, host memory stays bounded whatever the
+    model's size (measured in ``bench/``)."""
     return (1 << 30) if str(device).startswith("cuda") else (256 << 20)
 
 
@@ -75,14 +78,22 @@ def dequantize(c: CanonicalExperts, fmt: QuantFormat) -> tuple[torch.Tensor, tor
 
 def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
                    b2: torch.Tensor | None, activation: dict, first: int = 0) -> torch.Tensor:
-    """Every expert on every token: ``x [T, H]`` -> ``[n, T, H]`` float32. ``activation``'s
-    per-expert tensors (GPT-OSS's) are indexed from ``first``."""
-    h1 = torch.einsum("th,nih->nti", x, w13)
+    """Every expert on every token: ``x [T, H]`` (or ``[n, T, H]``, each expert its own tokens) ->
+    ``[n, T, H]`` float32. ``activation``'s per-expert tensors (GPT-OSS's) are indexed from
+    ``first``."""
+    h1 = torch.einsum("th,nih->nti" if x.dim() == 2 else "nth,nih->nti", x, w13)
     if b13 is not None:
         h1 = h1 + b13[:, None, :]
-    a = torch.stack([activate(h1[k], activation, first + k) for k in range(h1.shape[0])])
-    y = torch.einsum("nti,nhi->nth", a, w2)
+    y = torch.einsum("nti,nhi->nth", activate(h1, activation, slice(first, first + h1.shape[0])), w2)
     return y + b2[:, None, :] if b2 is not None else y
+
+
+def errors(got: torch.Tensor, want: torch.Tensor) -> list[tuple[float, float]]:
+    """Per expert of ``[n, T, H]`` outputs: (max absolute, relative Frobenius) error, one transfer."""
+    diff = got - want
+    num, den = diff.norm(dim=(1, 2)), want.norm(dim=(1, 2))
+    rel = torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), num)
+    return [tuple(r) for r in torch.stack((diff.abs().amax(dim=(1, 2)), rel), 1).tolist()]
 
 
 @dataclass
@@ -95,29 +106,27 @@ class Routing:
     weights: torch.Tensor
     on_input: bool
 
-    def add(self, out: torch.Tensor, experts: list[int], outputs: torch.Tensor, params: tuple) -> None:
-        """Add to ``out [T, H]`` the routed outputs of ``experts`` (global ids): from ``outputs
-        [n, T, H]`` (each expert on every token) when the weight applies to the output, else by
-        running the expert (``params``: ``(w13, w2, b13, b2, activation)`` of all ``n``) on its
-        weighted tokens."""
-        for k, ge in enumerate(experts):
-            tok, slot = torch.where(self.ids == ge)
-            if not len(tok):
-                continue
-            w = self.weights[tok, slot, None]
-            if self.on_input:
-                w13, w2, b13, b2, act = params
-                out.index_add_(0, tok, expert_outputs(self.x[tok] * w, w13[k:k + 1], w2[k:k + 1],
-                                                      None if b13 is None else b13[k:k + 1],
-                                                      None if b2 is None else b2[k:k + 1], act, k)[0])
-            else:
-                out.index_add_(0, tok, outputs[k, tok] * w)
+    def combine(self, experts: list[int]) -> torch.Tensor:
+        """``[T, n]`` float32: each token's routing weight for each of ``experts`` (global ids),
+        0 where the token is not routed to it."""
+        hit = self.ids.unsqueeze(-1) == torch.as_tensor(experts, device=self.ids.device)
+        return (self.weights.float().unsqueeze(-1) * hit).sum(1)
+
+    def add(self, out: torch.Tensor, mix: torch.Tensor, outputs: torch.Tensor, params: tuple) -> None:
+        """Add to ``out [T, H]`` the routed outputs of a chunk's experts (``mix`` their
+        :meth:`combine`): from ``outputs [n, T, H]`` (each expert on every token) when the weight
+        applies to the output; else each expert run again on its weighted tokens (``params``:
+        ``(w13, w2, b13, b2, activation)`` of the n experts)."""
+        if self.on_input:
+            outputs = expert_outputs(mix.T.unsqueeze(-1) * self.x, *params)
+            mix = (mix != 0).float()
+        out += torch.einsum("tn,nth->th", mix, outputs)
 
 
 @dataclass
 class LayerJob:
     """What checking one EP group of one layer needs; ``ranks``: the group's chosen TP ranks as
-    ``(rank entry, reader of its kernel tensors for local experts [k0, k1))``."""
+    ``(rank entry, reader of its kernel tensors for local experts [k0, k1), pinned or not)``."""
 
     layer: int
     experts: list[int]  # the group's experts (global ids, local order)
@@ -136,17 +145,15 @@ class LayerJob:
 
     def load(self, chunk: list[int], adapter, ckpt, spec, pin: bool) -> tuple:
         """The chunk's source experts (whole intermediate) and every rank's kernel tensors, on
-        the host (pinned when ``pin``)."""
+        the host; pinned when ``pin`` (the artifact's read straight into pinned memory)."""
         glob = [self.experts[k] for k in chunk]
         src = concat_experts([read_experts(adapter, ckpt, spec, self.layer, a, b) for a, b in expert_runs(glob)])
-        arts = [read(chunk[0], chunk[-1] + 1) for _, read in self.ranks]
         if pin:
             src = src.replace(**{k: v.pin_memory() for k, v in src.__dict__.items() if isinstance(v, torch.Tensor)})
-            arts = [{k: v.pin_memory() for k, v in kt.items()} for kt in arts]
-        return src, arts
+        return src, [read(chunk[0], chunk[-1] + 1, pin) for _, read in self.ranks]
 
 
-def read_ahead(loads: Iterable[Callable[[], object]], threads: int = READERS) -> Iterator:
+def read_ahead(loads: Iterable[Callable[[], object]], threads: int) -> Iterator:
     """The results of ``loads`` in order, each started ``threads`` + 1 ahead of its use on
     ``threads`` reader threads (so at most that many results wait in memory)."""
     loads = iter(loads)
@@ -167,20 +174,21 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 def padding_leaks(c: CanonicalExperts, h: int, i: int, tp_rank: int = 0) -> list[str]:
     """Names of the kernel tensors whose padding (beyond the source's H and the rank's I) is not
-    zero, and ``gemm2_bias`` when a TP rank other than 0 carries one."""
+    zero, and ``gemm2_bias`` when a TP rank other than 0 carries one (one device sync)."""
     ip, sf = c.intermediate_size, c.sf_vec_size
-    leaks = []
+    checks: dict[str, list[torch.Tensor]] = {}
     for name, t, rows, cols in (("gemm1_weights", c.w13, i, h // 2), ("gemm1_weights_scale", c.w13_scale, i, h // sf)):
-        if any(half[:, rows:].any() or half[:, :, cols:].any() for half in (t[:, :ip], t[:, ip:])):
-            leaks.append(name)
+        checks[name] = [x for half in (t[:, :ip], t[:, ip:]) for x in (half[:, rows:], half[:, :, cols:])]
     for name, t, rows, cols in (("gemm2_weights", c.w2, h, i // 2), ("gemm2_weights_scale", c.w2_scale, h, i // sf)):
-        if t[:, rows:].any() or t[:, :, cols:].any():
-            leaks.append(name)
-    if c.w13_bias is not None and (c.w13_bias[:, i:ip].any() or c.w13_bias[:, ip + i:].any()):
-        leaks.append("gemm1_bias")
-    if c.w2_bias is not None and (c.w2_bias[:, h:].any() or (tp_rank > 0 and c.w2_bias.any())):
-        leaks.append("gemm2_bias")
-    return leaks
+        checks[name] = [t[:, rows:], t[:, :, cols:]]
+    if c.w13_bias is not None:
+        checks["gemm1_bias"] = [c.w13_bias[:, i:ip], c.w13_bias[:, ip + i:]]
+    if c.w2_bias is not None:
+        checks["gemm2_bias"] = [c.w2_bias[:, h:]] + ([c.w2_bias] if tp_rank > 0 else [])
+    names = [n for n, parts in checks.items() for _ in parts]
+    flags = torch.stack([x.view(torch.uint8).any() if x.element_size() == 1 else x.any()
+                         for parts in checks.values() for x in parts]).tolist()
+    return list(dict.fromkeys(n for n, bad in zip(names, flags) if bad))
 
 
 def differences(kt: dict[str, torch.Tensor], want: dict[str, torch.Tensor], experts: list[int]) -> list[str]:
@@ -222,9 +230,10 @@ class GroupCheck:
         glob = [job.experts[k] for k in chunk]
         src = src.replace(**{k: v.to(dev, non_blocking=True) for k, v in src.__dict__.items()
                              if isinstance(v, torch.Tensor)})
+        mix = r.combine(glob)
         sw13, sw2 = dequantize(src, fmt)  # once per chunk: every TP rank's reference is a cut of it
         s_out = expert_outputs(r.x, sw13, sw2, src.w13_bias, src.w2_bias, spec.activation)
-        r.add(self.want, glob, s_out, (sw13, sw2, src.w13_bias, src.w2_bias, spec.activation))
+        r.add(self.want, mix, s_out, (sw13, sw2, src.w13_bias, src.w2_bias, spec.activation))
         for (entry, _), kt, res in zip(job.ranks, arts, self.results):
             a, b = entry.intermediate_slice
             ref, rw13, rw2, rb13, rb2, want_e = src, sw13, sw2, src.w13_bias, src.w2_bias, s_out
@@ -250,14 +259,13 @@ class GroupCheck:
             aw13, aw2 = dequantize(art, fmt)
             got_e = expert_outputs(r.x, aw13, aw2, art.w13_bias, art.w2_bias, act)
             failed = False
-            for k, ge in enumerate(glob):  # each expert alone, on every token
-                mx, rel = _rel(got_e[k], want_e[k])
+            for ge, (mx, rel) in zip(glob, errors(got_e, want_e)):  # each expert alone, on every token
                 res.max_abs = max(res.max_abs, mx)
                 if rel > res.worst_rel:
                     res.worst_rel, res.worst_expert = rel, ge
                 failed |= rel > self.tol
-            r.add(res.want, glob, want_e, (rw13, rw2, rb13, rb2, spec.activation))
-            r.add(res.got, glob, got_e, (aw13, aw2, art.w13_bias, art.w2_bias, act))
+            r.add(res.want, mix, want_e, (rw13, rw2, rb13, rb2, spec.activation))
+            r.add(res.got, mix, got_e, (aw13, aw2, art.w13_bias, art.w2_bias, act))
             res.experts_checked += len(chunk)
             self._layout(chunk, glob, ref, kt, res)
             if (failed or res.leaks) and not res.diagnosis:  # which stored tensor, from which expert

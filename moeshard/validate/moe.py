@@ -51,8 +51,9 @@ def route(logits: torch.Tensor, routing: dict, correction_bias: torch.Tensor | N
     raise ValueError(f"routing_method_type {method} is not supported")
 
 
-def activate(h1: torch.Tensor, activation: dict, e: int) -> torch.Tensor:
-    """GEMM1 output ``[T, 2*I]`` with ``[up ; gate]`` halves -> ``[T, I]`` for local expert ``e``.
+def activate(h1: torch.Tensor, activation: dict, e: int | slice) -> torch.Tensor:
+    """GEMM1 output ``[T, 2*I]`` with ``[up ; gate]`` halves -> ``[T, I]`` for local expert ``e``;
+    or ``[n, T, 2*I]`` -> ``[n, T, I]`` for the local experts ``e`` (a slice of n).
 
     ``swiglu_oai`` (GPT-OSS): ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
     ``(up + beta) * gate * sigmoid(alpha * gate)``; alpha, beta, limit are floats or ``[E]``
@@ -62,7 +63,14 @@ def activate(h1: torch.Tensor, activation: dict, e: int) -> torch.Tensor:
     up, gate = h1[..., :i], h1[..., i:]
     if activation["type"] == "swiglu":
         return torch.nn.functional.silu(gate) * up
-    at = lambda k: activation[k][e].item() if isinstance(activation[k], torch.Tensor) else activation[k]  # noqa: E731
+
+    def at(k):
+        v = activation[k]
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = v[e].to(h1.device)
+        return v.view(-1, 1, 1) if isinstance(e, slice) else v
+
     lim, alpha, beta = at("limit"), at("alpha"), at("beta")
     gate = gate.clamp(max=lim)
     up = up.clamp(min=-lim, max=lim)

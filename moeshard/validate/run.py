@@ -19,7 +19,7 @@ from moeshard.errors import MoeshardError
 from moeshard.files import load_json
 from moeshard.layouts.canonical import CanonicalExperts
 from moeshard.validate.backends import run_trtllm, select_backend, trtllm_args
-from moeshard.validate.check import GroupCheck, LayerJob, RankResult, Routing, _rel, read_ahead
+from moeshard.validate.check import GroupCheck, LayerJob, RankResult, Routing, _rel, read_ahead, readers
 from moeshard.validate.moe import moe_forward, route
 
 #: Relative error (Frobenius) above which a check fails. decode runs the same fp32 math as the
@@ -184,8 +184,8 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
         per_expert = 12 * spec.hidden_size * spec.intermediate_size  # float32 bytes of w13 and w2
         pin = str(device).startswith("cuda")
         work = [(job, chunk) for layer in layers for job in jobs[layer] for chunk in job.chunks(per_expert, device)]
-        loaded = read_ahead((lambda job=job, chunk=chunk: job.load(chunk, adapter, ckpt, spec, pin))
-                            for job, chunk in (work if backend == "decode" else []))
+        loaded = read_ahead(((lambda job=job, chunk=chunk: job.load(chunk, adapter, ckpt, spec, pin))
+                             for job, chunk in (work if backend == "decode" else [])), readers(device))
         stack.callback(loaded.close)
         layout_cache: dict = {}
         for layer in layers:
@@ -251,15 +251,16 @@ def _jobs(m: Manifest, layer: int, ranks: list[int], rank_files: dict, chosen: l
     return out
 
 
-def _reader(rf: Checkpoint, prefix: str) -> Callable[[int, int], dict[str, torch.Tensor]]:
+def _reader(rf: Checkpoint, prefix: str) -> Callable[..., dict[str, torch.Tensor]]:
     """Reads a rank's kernel tensors of one layer for local experts ``[k0, k1)`` (``[]``-shaped
-    tensors whole)."""
+    tensors whole), into pinned memory when asked."""
     names = [k for k in rf.tensors if k.startswith(prefix + ".")]
     if not names:
         raise MoeshardError(f"{rf.root}: no tensors under {prefix}")
 
-    def read(k0: int, k1: int) -> dict[str, torch.Tensor]:
-        return {k[len(prefix) + 1:]: rf.read(k, k0, k1) if rf.tensors[k].shape else rf.read(k) for k in names}
+    def read(k0: int, k1: int, pin: bool = False) -> dict[str, torch.Tensor]:
+        return {k[len(prefix) + 1:]: rf.read(k, k0, k1, pin=pin) if rf.tensors[k].shape else rf.read(k, pin=pin)
+                for k in names}
 
     return read
 
