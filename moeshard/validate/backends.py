@@ -73,7 +73,8 @@ def trtllm_args(kt: dict[str, torch.Tensor], kernel_args: dict, rank: dict, hidd
     MXFP4 (GPT-OSS) runs with BF16 activations; NVFP4 with NVFP4 activations quantized with the
     artifact's ``hidden_states_scale_global`` (linear scale layout). Logits and the routing bias
     stay float32 (the launcher takes f32 or bf16 for every routing method), so that the kernel
-    routes exactly as the reference does.
+    routes exactly as the reference does. With the "trimmed" hidden padding ``kernel_args`` holds
+    ``valid_hidden_size`` and the kernel's output is that wide.
     """
     from flashinfer.tllm_enums import SfLayout
 
@@ -91,7 +92,8 @@ def trtllm_args(kt: dict[str, torch.Tensor], kernel_args: dict, rank: dict, hidd
 
 
 def run_trtllm(args: dict) -> torch.Tensor:
-    """One call of the kernel; returns the output ``[T, H_pad]`` float32."""
+    """One call of the kernel; returns the output ``[T, H_pad]`` float32 (``[T, valid_hidden_size]``
+    with the "trimmed" hidden padding)."""
     from flashinfer.fused_moe import trtllm_fp4_block_scale_moe
 
     return trtllm_fp4_block_scale_moe(**args)[0].float()

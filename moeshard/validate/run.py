@@ -260,7 +260,7 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                 ok = rel <= tol and not leaks
                 detail = ""
                 if not ok:
-                    want_t = to_trtllm_padded(ref, h_pad, i_pad)
+                    want_t = to_trtllm_padded(ref, h_pad, i_pad, gemm2_rows=m.padding.gemm2_rows)
                     want_t.update({k: v.to(device) for k, v in
                                    kernel_scalars(spec.activation, n, {k: getattr(ref, k) for k in (
                                        "w1_scale_2", "w3_scale_2", "w2_scale_2")}, scales).items()})
