@@ -19,6 +19,7 @@ import torch
 from moeshard.artifact.manifest import MANIFEST_NAME, Manifest, artifact_file
 from moeshard.checkpoints.safetensors_io import DTYPES, header_length, pread_into
 from moeshard.errors import MoeshardError
+from moeshard.layouts.fingerprint import layout_fingerprint
 from moeshard.layouts.kernel import static_kernel_args
 from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, flashinfer_version
 
@@ -152,27 +153,49 @@ def _views(header: dict, buf: torch.Tensor, path: Path) -> dict[str, torch.Tenso
     return out
 
 
-def load_rank(artifact: Path | str, rank: int, device: str | torch.device = "cuda", *,
-              check_flashinfer: bool = True) -> RankWeights:
-    """Load rank ``rank`` of a moeshard artifact onto ``device``, reading only that rank's files.
+def check_layout(m: Manifest, where: Path | str, check_flashinfer: bool = True) -> None:
+    """Refuse an artifact this moeshard and the installed FlashInfer would lay out otherwise.
 
-    Checks the manifest's layout (name and version) against this moeshard, and the FlashInfer
-    the artifact was made for against the installed one (``check_flashinfer=False`` skips that).
-    Returns the rank's MoE layers with their kernel tensors and arguments; see
-    :meth:`MoeLayer.kernel_kwargs`.
+    The layout name and version must be this moeshard's. With ``check_flashinfer``, the layout
+    fingerprint is recomputed from the installed FlashInfer for the artifact's shapes
+    (:func:`layout_fingerprint`) and must equal the recorded one kind by kind, whatever
+    FlashInfer version made it; a version 1 artifact, which records none, must come from the
+    installed FlashInfer version.
     """
-    artifact = Path(artifact)
-    m = Manifest.read(artifact)
-    where = artifact / MANIFEST_NAME
     if (m.layout.name, m.layout.version) != (LAYOUT_NAME, LAYOUT_VERSION):
         raise MoeshardError(f"{where}: layout: expected {LAYOUT_NAME} version {LAYOUT_VERSION}, found "
                             f"{m.layout.name} version {m.layout.version}; convert the checkpoint again with this "
                             "moeshard")
-    made_for, installed = m.tool.flashinfer, flashinfer_version()
-    if check_flashinfer and made_for and installed and made_for != installed:
-        raise MoeshardError(f"{where}: made for flashinfer-python {made_for}, found {installed} "
-                            "installed; its kernels may expect another layout: convert again, or pass "
-                            "check_flashinfer=False if you know the layout is unchanged")
+    if not check_flashinfer:
+        return
+    made_for, installed, recorded = m.tool.flashinfer, flashinfer_version(), m.layout.fingerprint
+    if not recorded:
+        if made_for and installed and made_for != installed:
+            raise MoeshardError(f"{where}: made for flashinfer-python {made_for}, found {installed} installed, and "
+                                "it records no layout fingerprint (schema version 1): convert again, or pass "
+                                "check_flashinfer=False if you know the layout is unchanged")
+        return
+    p = m.padding
+    now = layout_fingerprint(recorded, p.hidden_size_padded, p.gemm2_rows, p.intermediate_size_padded,
+                             m.layout.sf_vec_size, m.layout.epilogue_tile_m)
+    changed = [kind for kind, digest in recorded.items() if now.get(kind) != digest]
+    if changed:
+        raise MoeshardError(f"{where}: layout.fingerprint: the installed flashinfer-python {installed} lays out "
+                            f"{', '.join(changed)} otherwise than flashinfer-python {made_for}, which made this "
+                            "artifact: convert it again with the installed FlashInfer")
+
+
+def load_rank(artifact: Path | str, rank: int, device: str | torch.device = "cuda", *,
+              check_flashinfer: bool = True) -> RankWeights:
+    """Load rank ``rank`` of a moeshard artifact onto ``device``, reading only that rank's files.
+
+    Checks the layout (:func:`check_layout`; ``check_flashinfer=False`` skips the FlashInfer
+    part). Returns the rank's MoE layers with their kernel tensors and arguments; see
+    :meth:`MoeLayer.kernel_kwargs`.
+    """
+    artifact = Path(artifact)
+    m = Manifest.read(artifact)
+    check_layout(m, artifact / MANIFEST_NAME, check_flashinfer)
     info = m.rank(rank)
     tensors: dict[str, torch.Tensor] = {}
     nbytes = 0

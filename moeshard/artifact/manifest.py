@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moeshard.errors import MoeshardError
@@ -20,7 +20,7 @@ from moeshard.paths import check_relative, inside
 
 MANIFEST_NAME = "moeshard.json"
 SCHEMA_VERSION = 2
-#: Versions the reader takes. Version 1 artifacts (no ``--hidden-padding``)
+#: Versions the reader takes. Version 1 artifacts (no ``--hidden-padding``, no layout fingerprint)
 #: have GEMM2 with the padded hidden size ("vllm"): their ``kernel_args.valid_hidden_size`` only
 #: informed and is dropped on reading, since that form is called without it.
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -65,6 +65,10 @@ class Source:
 
 @dataclass(frozen=True)
 class Layout:
+    """The kernel layout; ``fingerprint``: per kernel tensor kind, the SHA-256 of the FlashInfer
+    indices that define its layout for this artifact's shapes (:mod:`moeshard.layouts.fingerprint`;
+    empty in version 1)."""
+
     name: str
     version: int
     epilogue_tile_m: int
@@ -72,6 +76,7 @@ class Layout:
     scale_dtype: str
     sf_vec_size: int
     gemm1_rows: str
+    fingerprint: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

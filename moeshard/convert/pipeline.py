@@ -268,7 +268,7 @@ def build_manifest(plan: Plan, files: dict[str, dict], source: Source) -> Manife
         family=spec.family.value,
         quant_format=spec.quant_format.value,
         layout=Layout(LAYOUT_NAME, LAYOUT_VERSION, plan.epilogue_tile_m, "128x4", "float8_e4m3fn",
-                      spec.quant_format.sf_vec_size, "gated-interleaved [up, gate]"),
+                      spec.quant_format.sf_vec_size, "gated-interleaved [up, gate]", plan.fingerprint),
         padding=Padding(plan.pad_multiple, spec.hidden_size, plan.hidden_size_padded, spec.intermediate_size,
                         plan.intermediate_size_padded, plan.options.hidden_padding, plan.gemm2_rows),
         num_experts=spec.num_experts,

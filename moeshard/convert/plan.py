@@ -13,9 +13,11 @@ from moeshard.checkpoints.formats import QuantFormat
 from moeshard.checkpoints.safetensors_io import GB, pack_groups, shard_names, tensor_bytes
 from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
+from moeshard.layouts.fingerprint import layout_fingerprint
 from moeshard.layouts.kernel import (
     BIASES,
     HIDDEN_PADDINGS,
+    KERNEL_FIELDS,
     NVFP4,
     SWIGLU_OAI,
     WEIGHTS,
@@ -123,7 +125,8 @@ class RankPlan:
 class Plan:
     """The artifact to write: every rank of the sharding (``ranks``), the ones this run writes
     (:attr:`chosen`), ``common/``'s files and the copied files, with the run's ``options``;
-    ``gemm2_rows``: GEMM2's rows (:func:`~moeshard.layouts.kernel.gemm2_rows`)."""
+    ``gemm2_rows``: GEMM2's rows (:func:`~moeshard.layouts.kernel.gemm2_rows`); ``fingerprint``:
+    the layout fingerprint of its kernel tensors (:mod:`moeshard.layouts.fingerprint`)."""
 
     source: Path
     spec: ModelSpec
@@ -133,6 +136,7 @@ class Plan:
     intermediate_size_padded: int
     gemm2_rows: int
     epilogue_tile_m: int
+    fingerprint: dict[str, str]
     ranks: tuple[RankPlan, ...]
     common: tuple[OutFile, ...]
     copied: tuple[str, ...]
@@ -210,7 +214,8 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, options: Options, epilogue_tile
     Rank ``ep_rank * tp_size + tp_rank`` owns EP group ``ep_rank``'s experts (contiguous:
     ``[r*E/ep, (r+1)*E/ep)``; round-robin: ``e % ep == r``) and TP slice ``tp_rank`` of each.
     H and the per-rank I are zero-padded to ``pad_multiple`` (default: per quant format); GEMM2
-    gets :func:`~moeshard.layouts.kernel.gemm2_rows` rows for ``options.hidden_padding``.
+    gets :func:`~moeshard.layouts.kernel.gemm2_rows` rows for ``options.hidden_padding``. Refuses a
+    FlashInfer whose layout differs from moeshard's (:func:`layout_fingerprint`).
     """
     o = options
     e, cfg = spec.num_experts, ckpt.root / "config.json"
@@ -243,8 +248,10 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, options: Options, epilogue_tile
 
     local = e // o.ep_size
     n2 = gemm2_rows(spec.hidden_size, h_pad, o.hidden_padding)
-    plan = Plan(ckpt.root, spec, o, pad_multiple, h_pad, i_pad, n2, epilogue_tile_m,
+    plan = Plan(ckpt.root, spec, o, pad_multiple, h_pad, i_pad, n2, epilogue_tile_m, {},
                 (), (), tuple(f for f in COPIED_FILES if ckpt.file(f).is_file()))
+    kinds = [t.name for t in kernel_tensors(plan.tensor_groups) if t.name in KERNEL_FIELDS]
+    fingerprint = layout_fingerprint(kinds, h_pad, n2, i_pad, sf, epilogue_tile_m, check_moeshard=True)
     layer_bytes = [sum(t.nbytes for t in plan.layer_tensors(layer, local)) for layer in spec.moe_layers]
     packs = pack_groups(layer_bytes, o.max_shard_bytes)
     ranks = []
@@ -265,4 +272,4 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, options: Options, epilogue_tile
     common = tuple(OutFile(f"common/{name}", (), tuple(common_names[i] for i in pack),
                            sum(ckpt.tensors[common_names[i]].nbytes for i in pack))
                    for name, pack in zip(shard_names(len(cpacks)), cpacks))
-    return dataclasses.replace(plan, ranks=tuple(ranks), common=common)
+    return dataclasses.replace(plan, fingerprint=fingerprint, ranks=tuple(ranks), common=common)

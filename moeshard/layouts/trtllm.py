@@ -40,6 +40,15 @@ def flashinfer_version() -> str | None:
         return None
 
 
+def flashinfer_import_error(e: ImportError) -> Exception:
+    """The MoeshardError for a FlashInfer whose layout index functions did not import."""
+    from moeshard.errors import MoeshardError
+
+    return MoeshardError(f"the trtllm-gen layout uses FlashInfer's index functions, which did not import ({e}): "
+                         "pip install flashinfer-python==0.7.2.post1 (on a CPU-only machine add --no-deps, then "
+                         "apache-tvm-ffi and the small packages the Makefile lists)")
+
+
 @functools.lru_cache(maxsize=64)
 def _row_permutation(rows: int, epilogue_tile_m: int, gated: bool) -> torch.Tensor:
     # FlashInfer's helpers only read the shape of their argument; a [rows, 1] stand-in suffices.
@@ -47,11 +56,7 @@ def _row_permutation(rows: int, epilogue_tile_m: int, gated: bool) -> torch.Tens
         from flashinfer.fused_moe.core import get_reorder_rows_for_gated_act_gemm_row_indices
         from flashinfer.utils import get_shuffle_matrix_a_row_indices
     except ImportError as e:
-        from moeshard.errors import MoeshardError
-
-        raise MoeshardError(f"the trtllm-gen layout uses FlashInfer's index functions, which did not import ({e}): "
-                            "pip install flashinfer-python==0.7.2.post1 (on a CPU-only machine add --no-deps, then "
-                            "apache-tvm-ffi and the small packages the Makefile lists)") from None
+        raise flashinfer_import_error(e) from None
 
     probe = torch.empty(rows, 1, dtype=torch.uint8)
     shuffle = get_shuffle_matrix_a_row_indices(probe, epilogue_tile_m=epilogue_tile_m)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from moeshard.artifact.manifest import LOCAL_NAME, Manifest, artifact_file
+from moeshard.artifact.load import check_layout
+from moeshard.artifact.manifest import LOCAL_NAME, MANIFEST_NAME, Manifest, artifact_file
 from moeshard.checkpoints.families import detect, read_experts, read_rank_experts
 from moeshard.checkpoints.formats import QuantFormat
 from moeshard.checkpoints.formats.fp4 import dequantize_mxfp4, dequantize_nvfp4
@@ -161,10 +162,12 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
       (bf16 or NVFP4-quantized) activations.
 
     When every rank is chosen, the sum of the partial outputs is compared with the full layer
-    computed from all source experts. A failing rank is named with layer, tensor and expert.
+    computed from all source experts. A failing rank is named with layer, tensor and expert. An
+    artifact the installed FlashInfer lays out otherwise is refused first (:func:`check_layout`).
     """
     out = Path(out)
     m = Manifest.read(out)
+    check_layout(m, out / MANIFEST_NAME)
     if tokens < 1:
         raise MoeshardError(f"--tokens: expected a positive integer, found {tokens}")
     src = Path(source) if source is not None else source_folder(out, m)
