@@ -33,6 +33,15 @@ class ActivationType(enum.IntEnum):
     Swiglu = 3
 
 
+class SfLayout(enum.IntEnum):
+    """``flashinfer.tllm_enums.SfLayout``: the activation scales' layout, declared with
+    ``hidden_states_scale_layout`` (the kernel takes only ``layout_linear``; omitting it warns)."""
+
+    layout_128x4 = 0
+    layout_8x4 = 1
+    layout_linear = 2
+
+
 #: How GEMM2 (the down projection) is padded along the hidden size (``convert --hidden-padding``):
 #: "vllm" stores it with the padded hidden size (3072 rows for GPT-OSS's 2880, what vLLM and SGLang
 #: build; the kernel is called without ``valid_hidden_size``), "trimmed" with roundUp(hidden size,
@@ -174,7 +183,8 @@ def kernel_scalars(activation: dict, n: int, scale_2: dict[str, torch.Tensor] | 
 
 # -- the kernel's static arguments ----------------------------------------------------------------
 def static_kernel_args(tensors: dict[str, torch.Tensor], kernel_args: dict, rank: dict) -> dict:
-    """Every argument of ``trtllm_fp4_block_scale_moe`` that does not depend on the tokens.
+    """Every argument of ``trtllm_fp4_block_scale_moe`` that does not depend on the tokens, each
+    given explicitly (FlashInfer 0.7.2.post1 warns where ``hidden_states_scale_layout`` is left out).
 
     Parameters
     ----------
@@ -186,7 +196,7 @@ def static_kernel_args(tensors: dict[str, torch.Tensor], kernel_args: dict, rank
     The caller adds ``routing_logits`` ``[T, num_experts]`` (f32 or bf16), ``routing_bias``
     (DeepSeek: ``e_score_correction_bias``), ``hidden_states`` (``[T, hidden_size]``: bf16 or
     MXFP8 for MXFP4 weights; NVFP4 packed ``[T, hidden_size/2]`` uint8 quantized with
-    ``hidden_states_scale_global``) and ``hidden_states_scale``.
+    ``hidden_states_scale_global``) and ``hidden_states_scale`` (linear layout, as declared here).
     """
     if rank.get("local_expert_offset") is None:
         raise ValueError("round-robin ranks have no local_expert_offset: the trtllm-gen kernel needs "
@@ -198,5 +208,7 @@ def static_kernel_args(tensors: dict[str, torch.Tensor], kernel_args: dict, rank
                 routed_scaling_factor=kernel_args.get("routed_scaling_factor"),
                 routing_method_type=kernel_args["routing_method_type"],
                 activation_type=kernel_args.get("activation_type", ActivationType.Swiglu), do_finalize=True,
-                valid_hidden_size=kernel_args.get("valid_hidden_size"))
+                norm_topk_prob=kernel_args.get("norm_topk_prob", True),
+                valid_hidden_size=kernel_args.get("valid_hidden_size"),
+                hidden_states_scale_layout=SfLayout.layout_linear)
     return args

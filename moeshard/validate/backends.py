@@ -76,15 +76,13 @@ def trtllm_args(kt: dict[str, torch.Tensor], kernel_args: dict, rank: dict, hidd
     routes exactly as the reference does. With the "trimmed" hidden padding ``kernel_args`` holds
     ``valid_hidden_size`` and the kernel's output is that wide.
     """
-    from flashinfer.tllm_enums import SfLayout
-
     nvfp4 = "output1_scale_scalar" in kt
     args = static_kernel_args(kt, kernel_args, rank)
     args.update(routing_logits=logits.float(),
                 routing_bias=None if routing_bias is None else routing_bias.float())
     if nvfp4:
         packed, sf, deq = quantize_hidden_states(hidden, kt["hidden_states_scale_global"])
-        args.update(hidden_states=packed, hidden_states_scale=sf, hidden_states_scale_layout=SfLayout.layout_linear)
+        args.update(hidden_states=packed, hidden_states_scale=sf)
         return args, deq
     bf = hidden.to(torch.bfloat16)
     args.update(hidden_states=bf, hidden_states_scale=None)
