@@ -164,6 +164,7 @@ def fixture(
 
 @app.command(epilog=examples("moeshard convert openai/gpt-oss-120b --ep-size 8 -o out/",
                              "moeshard convert ./gpt-oss-20b --ep-size 4 -o out/ --dry-run",
+                             "moeshard convert openai/gpt-oss-120b --hidden-padding trimmed -o out/",
                              "moeshard convert nvidia/DeepSeek-R1-FP4 --ep-size 8 --ranks 3 --no-common -o out/"))
 def convert(
     source: Annotated[str, typer.Argument(help="Checkpoint folder or Hugging Face repo id (org/name).")],
@@ -177,6 +178,12 @@ def convert(
     pad_multiple: Annotated[int | None, typer.Option(min=1, help="Pad hidden and per-rank intermediate sizes to "
                                                                     "a multiple of this (default: 256 for GPT-OSS, "
                                                                     "128 for NVFP4).")] = None,
+    hidden_padding: Annotated[str, typer.Option(help="GEMM2 (down projection) rows: vllm = the padded hidden "
+                                                     "size (3072 for GPT-OSS's 2880; what vLLM and SGLang build, "
+                                                     "called without valid_hidden_size) or trimmed = "
+                                                     "roundUp(hidden size, 128) (2944; called with "
+                                                     "valid_hidden_size). GEMM1 and the hidden states keep the "
+                                                     "padded size.")] = "vllm",
     max_shard_size: Annotated[str, typer.Option(help="Largest output safetensors file, e.g. 5GB.")] = "5GB",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a previous moeshard output in OUTPUT "
                                                                 "(a folder holding anything else is refused).")] = False,
@@ -199,8 +206,8 @@ def convert(
     from moeshard.convert.pipeline import convert as convert_checkpoint
 
     kw = dict(ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
-              max_shard_bytes=parse_size(max_shard_size), ranks=parse_ints(ranks), common=common, revision=revision,
-              cache_dir=cache_dir, token=token)
+              hidden_padding=hidden_padding, max_shard_bytes=parse_size(max_shard_size), ranks=parse_ints(ranks),
+              common=common, revision=revision, cache_dir=cache_dir, token=token)
     if dry_run:
         plan = convert_checkpoint(source, output, dry_run=True, **kw)
         doc = plan.to_json()
@@ -262,7 +269,8 @@ def _print_inspect(info: dict) -> None:
                 ("experts", f"{info['num_experts']} in {plural(info['moe_layers'], 'MoE layer')}"),
                 ("sharding", f"ep {info['ep_size']} x tp {info['tp_size']}, {info['placement']}; "
                              f"{len(info['ranks'])} of {info['rank_count']} ranks here"),
-                ("hidden size", f"{pad['hidden_size']}, padded to {pad['hidden_size_padded']}"),
+                ("hidden size", f"{pad['hidden_size']}, padded to {pad['hidden_size_padded']}; GEMM2 rows "
+                                f"{pad['gemm2_rows']} (--hidden-padding {pad['hidden_padding']})"),
                 ("intermediate", f"{pad['intermediate_size']}; per rank padded to {pad['intermediate_size_padded']}"),
                 ("kernel args", _kv(info["kernel_args"])),
                 ("common/", fmt_bytes(info["common_bytes"]) if info["common_bytes"] is not None else "not included")]

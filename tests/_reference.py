@@ -66,3 +66,47 @@ def dequant_nvfp4_ref(w: torch.Tensor, s: torch.Tensor, s2) -> torch.Tensor:
     codes[:, 1::2] = (w >> 4).long()
     scale = s.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
     return lut[codes] * scale * float(s2)
+
+
+def prepare_trtllm_fp4_with_codes(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                                  activation=None, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """FlashInfer's own ``prepare_trtllm_fp4_weights`` (``fused_moe/prepare.py``) on given FP4 codes:
+    its ``fp4_quantize`` returns these codes and scales instead of quantizing its BF16 input; on
+    the CPU its CUDA-only ``block_scale_interleave`` is the formula above (on CUDA it is its own).
+    Everything else (gated reorder, row shuffle, per-expert loop, assembly, dtypes) is FlashInfer's.
+
+    ``w13 [E, 2I, H/2]``, ``w13_scale [E, 2I, H/sf]``, ``w2 [E, H, I/2]``, ``w2_scale [E, H, I/sf]``
+    uint8, canonical ``[up ; gate]`` rows, H and I as the kernel takes them (FlashInfer pads
+    nothing); sf 32 means MXFP4 (BF16 activations), 16 NVFP4. Returns FlashInfer's dict, on ``device``.
+    """
+    import flashinfer.fp4_quantization as fp4_stub
+    import flashinfer.quantization.fp4_quantization as fp4_module
+    from flashinfer.fused_moe.api import QuantConfig, QuantFormat
+    from flashinfer.fused_moe.prepare import prepare_trtllm_fp4_weights
+
+    e, two_i, h2 = w13.shape
+    h, i = 2 * h2, two_i // 2
+    sf = h // w13_scale.shape[2]
+    codes = [(w13, w13_scale), (w2, w2_scale)]
+
+    def fp4_quantize(x, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True, **kw):
+        w, s = codes.pop(0)  # called for w1, then w2, with their flattened BF16 rows
+        assert tuple(x.shape) == (w.shape[0] * w.shape[1], 2 * w.shape[2]) and x.dtype == torch.bfloat16
+        assert (sf_vec_size, sf_use_ue8m0, is_sf_swizzled_layout) == (sf, sf == 32, False) and not kw
+        return w.reshape(-1, w.shape[2]).to(device), s.reshape(-1).to(device)
+
+    real = (fp4_stub.fp4_quantize, fp4_module.block_scale_interleave)
+    fp4_stub.fp4_quantize = fp4_quantize  # prepare imports it from this stub module at call time
+    if device == "cpu":
+        fp4_module.block_scale_interleave = interleave_formula
+    try:
+        quant = QuantConfig(weight=QuantFormat.MXFP4, activation=QuantFormat.BF16) if sf == 32 else \
+            QuantConfig(weight=QuantFormat.NVFP4, activation=QuantFormat.NVFP4)
+        out = prepare_trtllm_fp4_weights(torch.empty(e, two_i, h, dtype=torch.bfloat16),
+                                         torch.empty(e, h, i, dtype=torch.bfloat16), quant=quant,
+                                         num_local_experts=e, hidden_size=h, intermediate_size=i,
+                                         activation=activation, device=torch.device(device), permute_cache={})
+    finally:
+        fp4_stub.fp4_quantize, fp4_module.block_scale_interleave = real
+    assert not codes, "prepare_trtllm_fp4_weights quantized fewer tensors than expected"
+    return out

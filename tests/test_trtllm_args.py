@@ -19,7 +19,9 @@ FAMILIES = ["gpt_oss_tiny", "deepseek_tiny", "llama4_tiny"]
 
 
 def launcher_checks(a: dict) -> list[str]:
-    """Every check the 0.7.2.post1 Python wrapper and FP4 launcher make, as messages for those that fail."""
+    """Every check the 0.7.2.post1 Python wrapper and FP4 launcher make, as messages for those that
+    fail (``a``: the wrapper's keyword arguments, or the launcher's own by :func:`python_names`;
+    ``L:`` = ``trtllm_fused_moe_kernel_launcher.cu``, ``core.py`` = ``fused_moe/core.py``)."""
     bad = []
 
     def need(cond, msg):
@@ -28,7 +30,7 @@ def launcher_checks(a: dict) -> list[str]:
 
     hs, hss = a["hidden_states"], a["hidden_states_scale"]
     t = hs.shape[0]
-    h = hs.shape[-1] * (2 if hs.dtype == torch.uint8 else 1)  # core.py: H doubled for packed uint8
+    h = hs.shape[-1] * (2 if hs.dtype == torch.uint8 else 1)  # L:6023-6025, core.py:3499-3501: H doubled for uint8
     ne, loc, off, k = a["num_experts"], a["local_num_experts"], a["local_expert_offset"], a["top_k"]
     i = a["intermediate_size"]
     need(hs.dtype in (torch.uint8, torch.bfloat16, torch.float8_e4m3fn), "hidden_states dtype")  # L:6074
@@ -40,16 +42,30 @@ def launcher_checks(a: dict) -> list[str]:
          "routing_bias")
     # check_routing_common (L:1393-1405)
     need(1 <= k <= ne and 1 <= loc <= ne and off >= 0 and off + loc <= ne, "expert window / top_k")
-    # activation dtype from the scale vector size (L:6076-6088)
+    # valid_hidden_size: positive, <= H (L:65-73); GEMM2's N = roundUp(v, 128) <= H (L:118-126, core.py:365-385);
+    # do_finalize=False only where roundUp(v, 128) == H (core.py:408-437)
+    v, n2 = a.get("valid_hidden_size"), h
+    if v is not None:
+        n2 = -(-v // 128) * 128
+        need(0 < v <= h and n2 <= h, "valid_hidden_size: 0 < v, roundUp(v, 128) <= padded hidden size")
+        need(a.get("do_finalize", True) or n2 == h, "valid_hidden_size with do_finalize=False")
+    # output: bf16 [T, <= H], exactly valid_hidden_size wide when given (core.py:3552-3569, L:129-135)
+    out = a.get("output")
+    need(out is None or (out.dtype == torch.bfloat16 and out.shape[0] == t and out.shape[1] <= h
+                         and (v is None or out.shape[1] == v)), "output [T, valid_hidden_size or <= H] bf16")
+    # activation dtype from the scale vector size (L:6030-6036, L:6076-6099)
+    vec = t * h // hss.numel() if hss is not None and hss.numel() else 0
     if hs.dtype == torch.uint8:
         need(hss is not None and hss.dtype == torch.float8_e4m3fn, "hidden_states_scale must be float8_e4m3fn")
-        vec = t * h // hss.numel() if hss is not None else 0
-        need(vec == 16, f"activation scale vector {vec}, expected 16 (E2m1)")
-        need(hss is None or hss.shape[0] == t, "hidden_states_scale rows == T")  # tuning.py:290
-        need(a.get("hidden_states_scale_layout") is not None and int(a["hidden_states_scale_layout"]) == 2,
-             "hidden_states_scale_layout linear")  # validation.py:98-149
+        need(vec == 16, f"activation scale vector {vec}, expected 16 (E2m1)")  # 32: MxE2m1, refused by L:5081
+    elif hs.dtype == torch.float8_e4m3fn:
+        need(hss is not None and vec == 32, f"FP8 activations: scale vector {vec}, expected 32 (MxE4m3)")  # L:6091-6099
     else:
         need(hss is None, "bf16 activations take no scale")
+    if hss is not None:
+        need(hss.dim() == 1 or hss.shape[0] == t, "hidden_states_scale rows == T")  # tuning.py:290
+        need(a.get("hidden_states_scale_layout") is not None and int(a["hidden_states_scale_layout"]) == 2,
+             "hidden_states_scale_layout linear")  # validation.py:98-149
     w1, w2, s1, s2 = a["gemm1_weights"], a["gemm2_weights"], a["gemm1_weights_scale"], a["gemm2_weights_scale"]
     need(w1.dtype == torch.uint8 and w2.dtype == torch.uint8, "weights uint8")  # L:6072
     need(s1.dtype == torch.float8_e4m3fn and s2.dtype == torch.float8_e4m3fn, "weight scales e4m3")  # L:5116-5121
@@ -57,20 +73,22 @@ def launcher_checks(a: dict) -> list[str]:
     raw = loc * i * 2 * h / s1.numel()
     wvec = 32 if raw > 16 else 16
     need(s1.numel() >= loc * i * 2 * h // wvec, "gemm1_weights_scale numel")
-    need(w1.shape == (loc, 2 * i, h // 2) and w2.shape == (loc, h, i // 2), "weight shapes [E,2I,H/2], [E,H,I/2]")
-    need(s1.shape == (loc, 2 * i, h // wvec) and s2.shape == (loc, h, i // wvec), "weight scale shapes")
+    # Stricter than the FP4 launcher, which checks no weight shape (L:5122): GEMM1 [E, 2I, H/2]; GEMM2 has N rows,
+    # "what the FC2 weights / biases / weight scales are sized against" (core.py:365-377, L:1301-1308)
+    need(w1.shape == (loc, 2 * i, h // 2) and w2.shape == (loc, n2, i // 2), "weight shapes [E,2I,H/2], [E,N,I/2]")
+    need(s1.shape == (loc, 2 * i, h // wvec) and s2.shape == (loc, n2, i // wvec), "weight scale shapes")
     if hs.dtype == torch.uint8:  # E2m1 activations need E2m1 weights and the three scalars (L:5089-5099)
         need(wvec == 16, "E2m1 activations need NVFP4 weights")
         for n in ("output1_scale_scalar", "output1_scale_gate_scalar", "output2_scale_scalar"):
-            v = a[n]
-            need(v is not None and v.dtype == torch.float32 and v.shape == (loc,) and v.is_contiguous(), n)
-    else:  # bf16 activations need MxE2m1 weights (L:5101-5104)
-        need(wvec == 32, "bf16 activations need MXFP4 weights")
+            x = a[n]
+            need(x is not None and x.dtype == torch.float32 and x.shape == (loc,) and x.is_contiguous(), n)
+    else:  # bf16 and MxE4m3 activations need MxE2m1 weights (L:5101-5104)
+        need(wvec == 32, "bf16 / MXFP8 activations need MXFP4 weights")
     # read as float* per local expert, unchecked by the launcher: f32, contiguous, local length
-    for n, shape in (("gemm1_bias", (loc, 2 * i)), ("gemm2_bias", (loc, h)), ("gemm1_alpha", (loc,)),
+    for n, shape in (("gemm1_bias", (loc, 2 * i)), ("gemm2_bias", (loc, n2)), ("gemm1_alpha", (loc,)),
                      ("gemm1_beta", (loc,)), ("gemm1_clamp_limit", (loc,))):
-        v = a[n]
-        need(v is None or (v.dtype == torch.float32 and v.shape == shape and v.is_contiguous()), n)
+        x = a[n]
+        need(x is None or (x.dtype == torch.float32 and x.shape == shape and x.is_contiguous()), n)
     # routing limits (routing_runner.cu, routing_deepseek.cu, routing_llama4.cu, routing_custom.cuh)
     method = a["routing_method_type"]
     if method == 1:
@@ -89,13 +107,25 @@ def launcher_checks(a: dict) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_arguments_pass_the_launcher_checks(artifacts, family):
+def python_names(launched: dict, hidden_states_scale_layout) -> dict:
+    """The launcher's arguments (``flashinfer_launcher``) under the wrapper's names, for
+    :func:`launcher_checks`; the layout is declared to the Python side only."""
+    renamed = {"output1_scales_scalar": "output1_scale_scalar", "output2_scales_scalar": "output2_scale_scalar",
+               "output1_scales_gate_scalar": "output1_scale_gate_scalar", "act_type": "activation_type"}
+    return {**{renamed.get(k, k): x for k, x in launched.items()},
+            "hidden_states_scale_layout": hidden_states_scale_layout}
+
+
+@pytest.mark.parametrize("family,pad,hidden_padding", [(f, 256, "vllm") for f in FAMILIES]
+                         + [("gpt_oss_tiny", 512, "trimmed")])
+def test_arguments_pass_the_launcher_checks(artifacts, flashinfer_launcher, family, pad, hidden_padding):
+    """validate's trtllm-gen arguments: the signature, the replayed launcher checks, and FlashInfer's
+    own Python side run for real up to the launcher, without a warning."""
     from flashinfer.fused_moe import trtllm_fp4_block_scale_moe
 
     params = inspect.signature(trtllm_fp4_block_scale_moe).parameters
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
-    out = artifacts(family, 2)
+    out = artifacts(family, 2, pad, hidden_padding)
     m = read_manifest(out)
     h_pad = m["padding"]["hidden_size_padded"]
     for entry in m["moe_layers"]:
@@ -110,6 +140,11 @@ def test_arguments_pass_the_launcher_checks(artifacts, family):
             assert set(args) <= set(params), set(args) - set(params)
             assert required <= set(args), required - set(args)
             assert launcher_checks(args) == [], (family, rank["rank"], launcher_checks(args))
+            launched, caught = flashinfer_launcher(trtllm_fp4_block_scale_moe, **args)
+            assert caught == [], [str(w.message) for w in caught]
+            assert launched["valid_hidden_size"] == (m["padding"]["hidden_size"] if hidden_padding == "trimmed"
+                                                     else None)
+            assert launcher_checks(python_names(launched, args["hidden_states_scale_layout"])) == []
             assert x_used.shape == (5, h_pad) and x_used.dtype == torch.float32
             if family != "gpt_oss_tiny":  # NVFP4 activations: the reference sees the quantized values
                 assert (x_used - x).abs().max() > 0 and (x_used - x).norm() / x.norm() < 0.2

@@ -19,7 +19,8 @@ import torch
 from moeshard.artifact.manifest import MANIFEST_NAME, Manifest, artifact_file
 from moeshard.checkpoints.safetensors_io import DTYPES, header_length, pread_into
 from moeshard.errors import MoeshardError
-from moeshard.layouts.kernel import static_kernel_args
+from moeshard.layouts.fingerprint import layout_fingerprint
+from moeshard.layouts.kernel import TENSOR_ARGS, static_kernel_args
 from moeshard.layouts.trtllm import LAYOUT_NAME, LAYOUT_VERSION, flashinfer_version
 
 CHUNK = 32 << 20
@@ -34,9 +35,11 @@ class MoeLayer:
     and ``hidden_states_scale_global`` for NVFP4) to tensors on the device; ``args`` holds the
     scalar arguments (``num_experts``, ``top_k``, ``n_group``, ``topk_group``,
     ``intermediate_size``, ``local_expert_offset``, ``local_num_experts``,
-    ``routed_scaling_factor``, ``routing_method_type``, ``activation_type``); ``router`` names the
-    router tensors in ``common/`` (``weight``; ``correction_bias`` = the kernel's
-    ``routing_bias`` for DeepSeek; ``bias`` = GPT-OSS's router bias, added to the logits).
+    ``routed_scaling_factor``, ``routing_method_type``, ``activation_type``, ``norm_topk_prob``
+    where the checkpoint says, and ``valid_hidden_size`` in the "trimmed" hidden padding);
+    ``router`` names the router tensors in ``common/`` (``weight``; ``correction_bias`` = the
+    kernel's ``routing_bias`` for DeepSeek; ``bias`` = GPT-OSS's router bias, added to the logits).
+    ``hidden_size`` is the padded width of the hidden states, ``valid_hidden_size`` the model's.
     """
 
     layer: int
@@ -47,14 +50,88 @@ class MoeLayer:
     hidden_size: int  # pad hidden states to this (zeros); valid_hidden_size columns are real
     valid_hidden_size: int
 
+    @property
+    def output_width(self) -> int:
+        """Columns of the kernel's output ``[T, output_width]`` bf16: ``valid_hidden_size`` in the
+        "trimmed" hidden padding (the kernel writes no more), else ``hidden_size`` (keep the first
+        ``valid_hidden_size``)."""
+        return self.args.get("valid_hidden_size") or self.hidden_size
+
     def kernel_kwargs(self, routing_logits: torch.Tensor, hidden_states: torch.Tensor,
                       hidden_states_scale: torch.Tensor | None = None, routing_bias: torch.Tensor | None = None
                       ) -> dict:
-        """All keyword arguments of ``flashinfer.fused_moe.trtllm_fp4_block_scale_moe``."""
+        """Every keyword argument of ``flashinfer.fused_moe.trtllm_fp4_block_scale_moe``
+        (FlashInfer 0.7.2.post1) for this layer, none left to a default that warns.
+
+        Parameters
+        ----------
+        routing_logits : ``[T, num_experts]`` float32 or bfloat16
+        hidden_states : the activations zero-padded to ``hidden_size`` columns, in a form the
+            weights take (same weights, different arguments):
+
+            - MXFP4 weights (GPT-OSS), BF16: bfloat16 ``[T, hidden_size]``, no scale;
+            - MXFP4 weights, MXFP8 (vLLM's and SGLang's default on Blackwell): float8_e4m3fn
+              ``[T, hidden_size]`` with ``hidden_states_scale`` its UE8M0 block scales as
+              float8_e4m3fn ``[T, hidden_size // 32]`` (or flat), linear:
+              ``mxfp8_quantize(x, False, alignment=hidden_size)``;
+            - NVFP4 weights: uint8 ``[T, hidden_size // 2]`` with float8_e4m3fn
+              ``[T, hidden_size // 16]`` linear scales, quantized with
+              ``tensors["hidden_states_scale_global"]``.
+        routing_bias : DeepSeekV3's ``e_score_correction_bias`` ``[num_experts]`` (``router
+            ["correction_bias"]`` in ``common/``): required there, refused for other routings.
+
+        ``hidden_states_scale_layout`` is declared linear; ``valid_hidden_size`` is passed in the
+        "trimmed" hidden padding only. The kernel returns ``[output]``, bf16 ``[T, output_width]``.
+        A MoeshardError names a hidden-state form the weights do not take, or a missing bias.
+        """
+        h, t = self.hidden_size, hidden_states.shape[0]
+        nvfp4 = "output1_scale_scalar" in self.tensors
+        forms = {torch.uint8: (h // 2, 16)} if nvfp4 else {torch.bfloat16: (h, None), torch.float8_e4m3fn: (h, 32)}
+        width, vec = forms.get(hidden_states.dtype, (None, None))
+        if width is None or tuple(hidden_states.shape) != (t, width):
+            want = " or ".join(f"{str(d)[6:]} [T, {w}]" for d, (w, _) in forms.items())
+            raise MoeshardError(f"{self.prefix}: hidden_states: expected {want} ({'NVFP4' if nvfp4 else 'MXFP4'} "
+                                f"weights, zero-padded to hidden_size {h}), found {str(hidden_states.dtype)[6:]} "
+                                f"{list(hidden_states.shape)}")
+        s = hidden_states_scale
+        if (s is None) != (vec is None) or (s is not None and (s.dtype != torch.float8_e4m3fn
+                                                                or s.numel() != t * h // vec)):
+            want = f"float8_e4m3fn [T, {h // vec}] (linear)" if vec else "None (bfloat16 hidden states)"
+            raise MoeshardError(f"{self.prefix}: hidden_states_scale: expected {want}, found "
+                                + ("None" if s is None else f"{str(s.dtype)[6:]} {list(s.shape)}"))
+        bias = self.router.get("correction_bias")
+        if (routing_bias is None) != (bias is None):
+            raise MoeshardError(f"{self.prefix}: routing_bias: " + (
+                f"DeepSeekV3 routing needs {bias} (in common/), found None" if bias else
+                "expected None (this routing takes no bias; a router bias is added to the logits), found a tensor"))
         kw = static_kernel_args(self.tensors, self.args, self.args)
         kw.update(routing_logits=routing_logits, routing_bias=routing_bias, hidden_states=hidden_states,
                   hidden_states_scale=hidden_states_scale)
         return kw
+
+    def weight_view(self) -> dict[str, torch.Tensor]:
+        """The layer's weights for FlashInfer's unified MoE API:
+        ``MoEWeightPack().prepare_for("trtllm_fp4_routed", layer.weight_view())`` for
+        ``TrtllmFp4RoutedRunner`` (``fused_moe/runners.py`` ``pack_inputs``). The keys are those
+        ``prepare_trtllm_fp4_weights`` returns: the four weight tensors, the three output scalars
+        and ``gemm1_alpha`` (NVFP4: ones, as it gives), or GPT-OSS's ``gemm1_alpha/beta/clamp_limit``.
+
+        Refused (MoeshardError) where that runner would compute something else: layers with
+        biases (GPT-OSS; it passes ``gemm1_bias=None, gemm2_bias=None``) and GEMM2 rows other than
+        ``hidden_size`` (the "trimmed" hidden padding; it passes no ``valid_hidden_size``).
+        """
+        t = self.tensors
+        if "gemm1_bias" in t:
+            raise MoeshardError(f"{self.prefix}: gemm1_bias, gemm2_bias: FlashInfer's TrtllmFp4RoutedRunner passes "
+                                "no biases to the kernel; call trtllm_fp4_block_scale_moe with kernel_kwargs()")
+        if t["gemm2_weights"].shape[1] != self.hidden_size:
+            raise MoeshardError(f"{self.prefix}: gemm2_weights: FlashInfer's TrtllmFp4RoutedRunner expects "
+                                f"{self.hidden_size} rows (no valid_hidden_size), found {t['gemm2_weights'].shape[1]} "
+                                "(--hidden-padding trimmed); call trtllm_fp4_block_scale_moe with kernel_kwargs()")
+        view = {n: t[n] for n in TENSOR_ARGS if n in t}
+        if "output1_scale_scalar" in t:  # prepare_trtllm_fp4_weights: NVFP4 gated kernels take a gate alpha
+            view["gemm1_alpha"] = torch.ones_like(t["output1_scale_scalar"])
+        return view
 
 
 @dataclass
@@ -152,27 +229,49 @@ def _views(header: dict, buf: torch.Tensor, path: Path) -> dict[str, torch.Tenso
     return out
 
 
-def load_rank(artifact: Path | str, rank: int, device: str | torch.device = "cuda", *,
-              check_flashinfer: bool = True) -> RankWeights:
-    """Load rank ``rank`` of a moeshard artifact onto ``device``, reading only that rank's files.
+def check_layout(m: Manifest, where: Path | str, check_flashinfer: bool = True) -> None:
+    """Refuse an artifact this moeshard and the installed FlashInfer would lay out otherwise.
 
-    Checks the manifest's layout (name and version) against this moeshard, and the FlashInfer
-    the artifact was made for against the installed one (``check_flashinfer=False`` skips that).
-    Returns the rank's MoE layers with their kernel tensors and arguments; see
-    :meth:`MoeLayer.kernel_kwargs`.
+    The layout name and version must be this moeshard's. With ``check_flashinfer``, the layout
+    fingerprint is recomputed from the installed FlashInfer for the artifact's shapes
+    (:func:`layout_fingerprint`) and must equal the recorded one kind by kind, whatever
+    FlashInfer version made it; a version 1 artifact, which records none, must come from the
+    installed FlashInfer version.
     """
-    artifact = Path(artifact)
-    m = Manifest.read(artifact)
-    where = artifact / MANIFEST_NAME
     if (m.layout.name, m.layout.version) != (LAYOUT_NAME, LAYOUT_VERSION):
         raise MoeshardError(f"{where}: layout: expected {LAYOUT_NAME} version {LAYOUT_VERSION}, found "
                             f"{m.layout.name} version {m.layout.version}; convert the checkpoint again with this "
                             "moeshard")
-    made_for, installed = m.tool.flashinfer, flashinfer_version()
-    if check_flashinfer and made_for and installed and made_for != installed:
-        raise MoeshardError(f"{where}: made for flashinfer-python {made_for}, found {installed} "
-                            "installed; its kernels may expect another layout: convert again, or pass "
-                            "check_flashinfer=False if you know the layout is unchanged")
+    if not check_flashinfer:
+        return
+    made_for, installed, recorded = m.tool.flashinfer, flashinfer_version(), m.layout.fingerprint
+    if not recorded:
+        if made_for and installed and made_for != installed:
+            raise MoeshardError(f"{where}: made for flashinfer-python {made_for}, found {installed} installed, and "
+                                "it records no layout fingerprint (schema version 1): convert again, or pass "
+                                "check_flashinfer=False if you know the layout is unchanged")
+        return
+    p = m.padding
+    now = layout_fingerprint(recorded, p.hidden_size_padded, p.gemm2_rows, p.intermediate_size_padded,
+                             m.layout.sf_vec_size, m.layout.epilogue_tile_m)
+    changed = [kind for kind, digest in recorded.items() if now.get(kind) != digest]
+    if changed:
+        raise MoeshardError(f"{where}: layout.fingerprint: the installed flashinfer-python {installed} lays out "
+                            f"{', '.join(changed)} otherwise than flashinfer-python {made_for}, which made this "
+                            "artifact: convert it again with the installed FlashInfer")
+
+
+def load_rank(artifact: Path | str, rank: int, device: str | torch.device = "cuda", *,
+              check_flashinfer: bool = True) -> RankWeights:
+    """Load rank ``rank`` of a moeshard artifact onto ``device``, reading only that rank's files.
+
+    Checks the layout (:func:`check_layout`; ``check_flashinfer=False`` skips the FlashInfer
+    part). Returns the rank's MoE layers with their kernel tensors and arguments; see
+    :meth:`MoeLayer.kernel_kwargs` and :meth:`MoeLayer.weight_view`.
+    """
+    artifact = Path(artifact)
+    m = Manifest.read(artifact)
+    check_layout(m, artifact / MANIFEST_NAME, check_flashinfer)
     info = m.rank(rank)
     tensors: dict[str, torch.Tensor] = {}
     nbytes = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moeshard.errors import MoeshardError
@@ -19,7 +19,11 @@ from moeshard.files import load_json
 from moeshard.paths import check_relative, inside
 
 MANIFEST_NAME = "moeshard.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Versions the reader takes. Version 1 artifacts (no ``--hidden-padding``, no layout fingerprint)
+#: have GEMM2 with the padded hidden size ("vllm"): their ``kernel_args.valid_hidden_size`` only
+#: informed and is dropped on reading, since that form is called without it.
+READABLE_SCHEMA_VERSIONS = (1, 2)
 #: Where a conversion notes, for this machine only, the absolute path of its source (never listed
 #: in the manifest, never pushed): ``validate`` finds the source there.
 LOCAL_NAME = ".moeshard-local.json"
@@ -61,6 +65,10 @@ class Source:
 
 @dataclass(frozen=True)
 class Layout:
+    """The kernel layout; ``fingerprint``: per kernel tensor kind, the SHA-256 of the FlashInfer
+    indices that define its layout for this artifact's shapes (:mod:`moeshard.layouts.fingerprint`;
+    empty in version 1)."""
+
     name: str
     version: int
     epilogue_tile_m: int
@@ -68,15 +76,26 @@ class Layout:
     scale_dtype: str
     sf_vec_size: int
     gemm1_rows: str
+    fingerprint: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Padding:
+    """Zero padding: H and the per-rank I to ``multiple``; GEMM2 (down projection) has
+    ``gemm2_rows`` rows, ``hidden_size_padded`` for ``hidden_padding`` "vllm" (version 1 artifacts
+    too), roundUp(hidden_size, 128) for "trimmed" (called with ``valid_hidden_size``)."""
+
     multiple: int
     hidden_size: int
     hidden_size_padded: int
     intermediate_size: int
     intermediate_size_padded: int  # per rank
+    hidden_padding: str = "vllm"
+    gemm2_rows: int | None = None  # None (version 1): hidden_size_padded
+
+    def __post_init__(self) -> None:
+        if self.gemm2_rows is None:
+            object.__setattr__(self, "gemm2_rows", self.hidden_size_padded)
 
 
 @dataclass(frozen=True)
@@ -150,9 +169,12 @@ class Manifest:
     def from_json(cls, doc: dict, where: str = MANIFEST_NAME) -> Manifest:
         """The manifest of JSON ``doc``; a MoeshardError naming ``where`` when it does not fit the
         schema or a path in it leads outside the artifact."""
-        if doc.get("schema_version") != SCHEMA_VERSION:
-            raise MoeshardError(f"{where}: schema_version: expected {SCHEMA_VERSION}, "
-                                f"found {doc.get('schema_version')!r}")
+        version = doc.get("schema_version")
+        if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:
+            raise MoeshardError(f"{where}: schema_version: expected one of "
+                                f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}, found {version!r}")
+        if version == 1 and isinstance(doc.get("moe_layers"), list):
+            doc = {**doc, "moe_layers": [_drop_valid_hidden_size(e) for e in doc["moe_layers"]]}
         src = doc.get("source")
         if isinstance(src, dict) and "path" in src and "name" not in src:  # written before names replaced paths
             src = {**{k: v for k, v in src.items() if k != "path"}, "name": Path(str(src["path"])).name}
@@ -203,9 +225,18 @@ def _plain(x):
     return x
 
 
+def _drop_valid_hidden_size(layer):
+    """A version 1 ``moe_layers`` entry without ``kernel_args.valid_hidden_size`` (see
+    :data:`READABLE_SCHEMA_VERSIONS`); anything malformed is left for :func:`_build` to name."""
+    if isinstance(layer, dict) and isinstance(layer.get("kernel_args"), dict):
+        return {**layer, "kernel_args": {k: v for k, v in layer["kernel_args"].items() if k != "valid_hidden_size"}}
+    return layer
+
+
 def _build(cls, doc, where: str):
     """An instance of dataclass ``cls`` from JSON ``doc``, nested dataclasses and tuples included;
-    a MoeshardError for a missing field or a value of the wrong type."""
+    a MoeshardError for a missing field (one with a default may be missing: older versions) or a
+    value of the wrong type."""
     if not isinstance(doc, dict):
         raise MoeshardError(f"{where}: malformed manifest: expected an object for {cls.__name__}, "
                             f"found {type(doc).__name__}")
@@ -213,6 +244,8 @@ def _build(cls, doc, where: str):
     kw = {}
     for f in dataclasses.fields(cls):
         if f.name not in doc:
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue
             raise MoeshardError(f"{where}: malformed manifest: {cls.__name__}.{f.name} is missing")
         kw[f.name] = _value(hints[f.name], doc[f.name], where, f"{cls.__name__}.{f.name}")
     return cls(**kw)

@@ -56,8 +56,8 @@ class ConvertResult:
 
 
 def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1, placement: str = "contiguous",
-            pad_multiple: int | None = None, max_shard_bytes: int | None = None, overwrite: bool = False,
-            resume: bool = False, device: str = "cpu", progress: Progress | None = None,
+            pad_multiple: int | None = None, hidden_padding: str = "vllm", max_shard_bytes: int | None = None,
+            overwrite: bool = False, resume: bool = False, device: str = "cpu", progress: Progress | None = None,
             dry_run: bool = False, chunk_bytes: int | None = None, ranks: list[int] | None = None,
             common: bool = True, revision: str | None = None, cache_dir: Path | None = None,
             token: str | None = None) -> ConvertResult | Plan:
@@ -77,7 +77,7 @@ def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1
     """
     defaults = Options()
     options = Options(ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
-                      max_shard_bytes=max_shard_bytes or defaults.max_shard_bytes,
+                      hidden_padding=hidden_padding, max_shard_bytes=max_shard_bytes or defaults.max_shard_bytes,
                       ranks=None if ranks is None else tuple(ranks), common=common, device=device,
                       chunk_bytes=chunk_bytes or defaults.chunk_bytes, overwrite=overwrite, resume=resume)
     check_options(options)
@@ -167,7 +167,8 @@ def _fingerprint(plan: Plan, ckpt: Checkpoint) -> dict:
     """What must be unchanged for --resume to reuse finished files."""
     o = plan.options
     args = {"ep_size": o.ep_size, "tp_size": o.tp_size, "placement": o.placement, "pad_multiple": plan.pad_multiple,
-            "max_shard_bytes": o.max_shard_bytes, "ranks": [r.rank for r in plan.chosen], "common": o.common}
+            "hidden_padding": o.hidden_padding, "max_shard_bytes": o.max_shard_bytes,
+            "ranks": [r.rank for r in plan.chosen], "common": o.common}
     return {"tool": __version__, "source": str(ckpt.root.resolve()), "args": args,
             "source_files": {n: (ckpt.root / n).stat().st_size for n in ckpt.files + list(plan.copied)}}
 
@@ -241,10 +242,12 @@ def source_record(ckpt: Checkpoint, hub: HubSource | None) -> Source:
 
 
 def kernel_args(plan: Plan) -> dict:
-    """The kernel's routing and size arguments of a MoE layer (the same for every layer)."""
+    """The kernel's routing and size arguments of a MoE layer (the same for every layer);
+    ``valid_hidden_size`` only where the kernel must get it ("trimmed" hidden padding)."""
     spec = plan.spec
+    trimmed = {"valid_hidden_size": spec.hidden_size} if plan.options.hidden_padding == "trimmed" else {}
     return {**spec.routing, "num_experts": spec.num_experts, "hidden_size": plan.hidden_size_padded,
-            "intermediate_size": plan.intermediate_size_padded, "valid_hidden_size": spec.hidden_size,
+            "intermediate_size": plan.intermediate_size_padded, **trimmed,
             "activation_type": spec.activation["activation_type"]}
 
 
@@ -265,9 +268,9 @@ def build_manifest(plan: Plan, files: dict[str, dict], source: Source) -> Manife
         family=spec.family.value,
         quant_format=spec.quant_format.value,
         layout=Layout(LAYOUT_NAME, LAYOUT_VERSION, plan.epilogue_tile_m, "128x4", "float8_e4m3fn",
-                      spec.quant_format.sf_vec_size, "gated-interleaved [up, gate]"),
+                      spec.quant_format.sf_vec_size, "gated-interleaved [up, gate]", plan.fingerprint),
         padding=Padding(plan.pad_multiple, spec.hidden_size, plan.hidden_size_padded, spec.intermediate_size,
-                        plan.intermediate_size_padded),
+                        plan.intermediate_size_padded, plan.options.hidden_padding, plan.gemm2_rows),
         num_experts=spec.num_experts,
         ep_size=plan.options.ep_size,
         tp_size=plan.options.tp_size,

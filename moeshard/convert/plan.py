@@ -13,7 +13,18 @@ from moeshard.checkpoints.formats import QuantFormat
 from moeshard.checkpoints.safetensors_io import GB, pack_groups, shard_names, tensor_bytes
 from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
-from moeshard.layouts.kernel import BIASES, NVFP4, SWIGLU_OAI, WEIGHTS, kernel_shape_problems, kernel_tensors
+from moeshard.layouts.fingerprint import layout_fingerprint
+from moeshard.layouts.kernel import (
+    BIASES,
+    HIDDEN_PADDINGS,
+    KERNEL_FIELDS,
+    NVFP4,
+    SWIGLU_OAI,
+    WEIGHTS,
+    gemm2_rows,
+    kernel_shape_problems,
+    kernel_tensors,
+)
 from moeshard.layouts.tp import tp_slices
 from moeshard.layouts.trtllm import EPILOGUE_TILE_M
 
@@ -45,7 +56,8 @@ def round_up(x: int, m: int) -> int:
 class Options:
     """Every option of a conversion (the CLI's flags), checked by :func:`make_plan`.
 
-    ``pad_multiple`` None: the format's default; ``ranks`` None: all ranks; ``common``: write
+    ``pad_multiple`` None: the format's default; ``hidden_padding``: GEMM2's rows, one of
+    :data:`~moeshard.layouts.kernel.HIDDEN_PADDINGS`; ``ranks`` None: all ranks; ``common``: write
     ``common/``; ``device``: where the gathers run; ``chunk_bytes``: output bytes per step.
     """
 
@@ -53,6 +65,7 @@ class Options:
     tp_size: int = 1
     placement: str = "contiguous"
     pad_multiple: int | None = None
+    hidden_padding: str = "vllm"
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     ranks: tuple[int, ...] | None = None
     common: bool = True
@@ -111,7 +124,9 @@ class RankPlan:
 @dataclass(frozen=True)
 class Plan:
     """The artifact to write: every rank of the sharding (``ranks``), the ones this run writes
-    (:attr:`chosen`), ``common/``'s files and the copied files, with the run's ``options``."""
+    (:attr:`chosen`), ``common/``'s files and the copied files, with the run's ``options``;
+    ``gemm2_rows``: GEMM2's rows (:func:`~moeshard.layouts.kernel.gemm2_rows`); ``fingerprint``:
+    the layout fingerprint of its kernel tensors (:mod:`moeshard.layouts.fingerprint`)."""
 
     source: Path
     spec: ModelSpec
@@ -119,7 +134,9 @@ class Plan:
     pad_multiple: int
     hidden_size_padded: int
     intermediate_size_padded: int
+    gemm2_rows: int
     epilogue_tile_m: int
+    fingerprint: dict[str, str]
     ranks: tuple[RankPlan, ...]
     common: tuple[OutFile, ...]
     copied: tuple[str, ...]
@@ -140,9 +157,10 @@ class Plan:
 
     def layer_tensors(self, layer: int, local_experts: int) -> list[OutTensor]:
         """The tensors one rank file holds for one MoE layer (DESIGN.md, "The artifact")."""
-        e, h, i = local_experts, self.hidden_size_padded, self.intermediate_size_padded
+        e, h, n2, i = local_experts, self.hidden_size_padded, self.gemm2_rows, self.intermediate_size_padded
         sf, p = self.spec.quant_format.sf_vec_size, self.spec.prefix(layer)
-        return [OutTensor(f"{p}.{t.name}", t.dtype, t.shape(e, h, i, sf)) for t in kernel_tensors(self.tensor_groups)]
+        return [OutTensor(f"{p}.{t.name}", t.dtype, t.shape(e, h, n2, i, sf))
+                for t in kernel_tensors(self.tensor_groups)]
 
     @property
     def total_bytes(self) -> int:
@@ -161,7 +179,7 @@ class Plan:
                            "files": [{"path": f.path, "layers": list(f.layers), "bytes": f.nbytes} for f in r.files]}
                           for r in self.ranks],
                 "common_files": [{"path": f.path, "tensors": len(f.sources), "bytes": f.nbytes} for f in self.common],
-                "hidden_size_padded": self.hidden_size_padded,
+                "hidden_size_padded": self.hidden_size_padded, "gemm2_rows": self.gemm2_rows,
                 "intermediate_size_padded": self.intermediate_size_padded, "bytes": self.total_bytes}
 
 
@@ -195,7 +213,9 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, options: Options, epilogue_tile
 
     Rank ``ep_rank * tp_size + tp_rank`` owns EP group ``ep_rank``'s experts (contiguous:
     ``[r*E/ep, (r+1)*E/ep)``; round-robin: ``e % ep == r``) and TP slice ``tp_rank`` of each.
-    H and the per-rank I are zero-padded to ``pad_multiple`` (default: per quant format).
+    H and the per-rank I are zero-padded to ``pad_multiple`` (default: per quant format); GEMM2
+    gets :func:`~moeshard.layouts.kernel.gemm2_rows` rows for ``options.hidden_padding``. Refuses a
+    FlashInfer whose layout differs from moeshard's (:func:`layout_fingerprint`).
     """
     o = options
     e, cfg = spec.num_experts, ckpt.root / "config.json"
@@ -204,6 +224,8 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, options: Options, epilogue_tile
             raise MoeshardError(f"{flag}: expected a positive integer, found {v}")
     if o.placement not in PLACEMENTS:
         raise MoeshardError(f"--placement {o.placement}: expected one of {', '.join(PLACEMENTS)}")
+    if o.hidden_padding not in HIDDEN_PADDINGS:
+        raise MoeshardError(f"--hidden-padding {o.hidden_padding}: expected one of {', '.join(HIDDEN_PADDINGS)}")
     if e % o.ep_size:
         valid = ", ".join(str(d) for d in range(1, e + 1) if e % d == 0)
         raise MoeshardError(
@@ -225,8 +247,11 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, options: Options, epilogue_tile
                             + (f"; {_largest_valid_tp(spec, o.tp_size, h_pad, pad_multiple)}" if o.tp_size > 1 else ""))
 
     local = e // o.ep_size
-    plan = Plan(ckpt.root, spec, o, pad_multiple, h_pad, i_pad, epilogue_tile_m,
+    n2 = gemm2_rows(spec.hidden_size, h_pad, o.hidden_padding)
+    plan = Plan(ckpt.root, spec, o, pad_multiple, h_pad, i_pad, n2, epilogue_tile_m, {},
                 (), (), tuple(f for f in COPIED_FILES if ckpt.file(f).is_file()))
+    kinds = [t.name for t in kernel_tensors(plan.tensor_groups) if t.name in KERNEL_FIELDS]
+    fingerprint = layout_fingerprint(kinds, h_pad, n2, i_pad, sf, epilogue_tile_m, check_moeshard=True)
     layer_bytes = [sum(t.nbytes for t in plan.layer_tensors(layer, local)) for layer in spec.moe_layers]
     packs = pack_groups(layer_bytes, o.max_shard_bytes)
     ranks = []
@@ -247,4 +272,4 @@ def make_plan(ckpt: Checkpoint, spec: ModelSpec, options: Options, epilogue_tile
     common = tuple(OutFile(f"common/{name}", (), tuple(common_names[i] for i in pack),
                            sum(ckpt.tensors[common_names[i]].nbytes for i in pack))
                    for name, pack in zip(shard_names(len(cpacks)), cpacks))
-    return dataclasses.replace(plan, ranks=tuple(ranks), common=common)
+    return dataclasses.replace(plan, fingerprint=fingerprint, ranks=tuple(ranks), common=common)

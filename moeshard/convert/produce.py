@@ -103,9 +103,10 @@ def write_rank_file(plan: Plan, ckpt: Checkpoint, adapter: Adapter, rank: RankPl
                 for a, b in expert_runs(chunk):
                     src, rows = rank_field(adapter, ckpt, spec, layer, field, a, b, rank)
                     if device == "cpu":
-                        trtllm_tensor(kind, src, rows, *sizes, out=dst[e:e + b - a])
+                        trtllm_tensor(kind, src, rows, *sizes, out=dst[e:e + b - a], gemm2_rows=plan.gemm2_rows)
                     else:
-                        dst[e:e + b - a].copy_(trtllm_tensor(kind, src.to(device), rows, *sizes).cpu())
+                        dst[e:e + b - a].copy_(trtllm_tensor(kind, src.to(device), rows, *sizes,
+                                                             gemm2_rows=plan.gemm2_rows).cpu())
                     e += b - a
                 if tick:
                     tick(per * len(chunk), f"{rank.folder} layer {layer}")

@@ -33,6 +33,35 @@ class ActivationType(enum.IntEnum):
     Swiglu = 3
 
 
+class SfLayout(enum.IntEnum):
+    """``flashinfer.tllm_enums.SfLayout``: the activation scales' layout, declared with
+    ``hidden_states_scale_layout`` (the kernel takes only ``layout_linear``; omitting it warns)."""
+
+    layout_128x4 = 0
+    layout_8x4 = 1
+    layout_linear = 2
+
+
+#: How GEMM2 (the down projection) is padded along the hidden size (``convert --hidden-padding``):
+#: "vllm" stores it with the padded hidden size (3072 rows for GPT-OSS's 2880, what vLLM and SGLang
+#: build; the kernel is called without ``valid_hidden_size``), "trimmed" with roundUp(hidden size,
+#: 128) rows (2944), FlashInfer's ``valid_hidden_size`` form. GEMM1's K and the hidden states keep
+#: the padded size in both.
+HIDDEN_PADDINGS = ("vllm", "trimmed")
+#: FlashInfer rounds ``valid_hidden_size`` up to this for GEMM2's N (``core.py``
+#: ``_TRTLLM_MOE_OUTPUT_HIDDEN_ALIGNMENT``, launcher ``kTrtllmMoeOutputHiddenAlignment``).
+OUTPUT_HIDDEN_ALIGNMENT = 128
+
+
+def gemm2_rows(hidden_size: int, hidden_size_padded: int, hidden_padding: str) -> int:
+    """GEMM2's rows (the kernel's GEMM2 N; also ``gemm2_bias``'s length): ``hidden_size_padded``
+    for "vllm", ``roundUp(hidden_size, 128)`` for "trimmed" (FlashInfer 0.7.2
+    ``_infer_trtllm_moe_output_hidden_size``, launcher ``moe_hidden_size_output``)."""
+    if hidden_padding == "vllm":
+        return hidden_size_padded
+    return -(-hidden_size // OUTPUT_HIDDEN_ALIGNMENT) * OUTPUT_HIDDEN_ALIGNMENT
+
+
 #: Which tensors a layer has, by what the checkpoint brings.
 WEIGHTS, BIASES, SWIGLU_OAI, NVFP4 = "weights", "biases", "swiglu_oai", "nvfp4"
 
@@ -44,7 +73,8 @@ class KernelTensor:
 
     name: str
     dtype: str  # safetensors dtype code
-    shape: Callable[[int, int, int, int], tuple[int, ...]]  # (local experts, H padded, I padded, sf) -> shape
+    #: (local experts, H padded (GEMM1's K), GEMM2's rows (:func:`gemm2_rows`), I padded, sf) -> shape
+    shape: Callable[[int, int, int, int, int], tuple[int, ...]]
     field: str | None  # the canonical field it is made of (None: a scalar computed by kernel_scalars)
     group: str  # WEIGHTS, BIASES, SWIGLU_OAI or NVFP4
     kernel_arg: bool = True
@@ -52,19 +82,19 @@ class KernelTensor:
 
 #: Every kernel tensor, in the order files are written (the writer then puts wider dtypes first).
 KERNEL_TENSORS = (
-    KernelTensor("gemm1_weights", "U8", lambda e, h, i, sf: (e, 2 * i, h // 2), "w13", WEIGHTS),
-    KernelTensor("gemm1_weights_scale", "F8_E4M3", lambda e, h, i, sf: (e, 2 * i, h // sf), "w13_scale", WEIGHTS),
-    KernelTensor("gemm2_weights", "U8", lambda e, h, i, sf: (e, h, i // 2), "w2", WEIGHTS),
-    KernelTensor("gemm2_weights_scale", "F8_E4M3", lambda e, h, i, sf: (e, h, i // sf), "w2_scale", WEIGHTS),
-    KernelTensor("gemm1_bias", "F32", lambda e, h, i, sf: (e, 2 * i), "w13_bias", BIASES),
-    KernelTensor("gemm2_bias", "F32", lambda e, h, i, sf: (e, h), "w2_bias", BIASES),
-    KernelTensor("gemm1_alpha", "F32", lambda e, h, i, sf: (e,), None, SWIGLU_OAI),
-    KernelTensor("gemm1_beta", "F32", lambda e, h, i, sf: (e,), None, SWIGLU_OAI),
-    KernelTensor("gemm1_clamp_limit", "F32", lambda e, h, i, sf: (e,), None, SWIGLU_OAI),
-    KernelTensor("output1_scale_scalar", "F32", lambda e, h, i, sf: (e,), None, NVFP4),
-    KernelTensor("output1_scale_gate_scalar", "F32", lambda e, h, i, sf: (e,), None, NVFP4),
-    KernelTensor("output2_scale_scalar", "F32", lambda e, h, i, sf: (e,), None, NVFP4),
-    KernelTensor("hidden_states_scale_global", "F32", lambda e, h, i, sf: (), None, NVFP4, kernel_arg=False),
+    KernelTensor("gemm1_weights", "U8", lambda e, h, n2, i, sf: (e, 2 * i, h // 2), "w13", WEIGHTS),
+    KernelTensor("gemm1_weights_scale", "F8_E4M3", lambda e, h, n2, i, sf: (e, 2 * i, h // sf), "w13_scale", WEIGHTS),
+    KernelTensor("gemm2_weights", "U8", lambda e, h, n2, i, sf: (e, n2, i // 2), "w2", WEIGHTS),
+    KernelTensor("gemm2_weights_scale", "F8_E4M3", lambda e, h, n2, i, sf: (e, n2, i // sf), "w2_scale", WEIGHTS),
+    KernelTensor("gemm1_bias", "F32", lambda e, h, n2, i, sf: (e, 2 * i), "w13_bias", BIASES),
+    KernelTensor("gemm2_bias", "F32", lambda e, h, n2, i, sf: (e, n2), "w2_bias", BIASES),
+    KernelTensor("gemm1_alpha", "F32", lambda e, h, n2, i, sf: (e,), None, SWIGLU_OAI),
+    KernelTensor("gemm1_beta", "F32", lambda e, h, n2, i, sf: (e,), None, SWIGLU_OAI),
+    KernelTensor("gemm1_clamp_limit", "F32", lambda e, h, n2, i, sf: (e,), None, SWIGLU_OAI),
+    KernelTensor("output1_scale_scalar", "F32", lambda e, h, n2, i, sf: (e,), None, NVFP4),
+    KernelTensor("output1_scale_gate_scalar", "F32", lambda e, h, n2, i, sf: (e,), None, NVFP4),
+    KernelTensor("output2_scale_scalar", "F32", lambda e, h, n2, i, sf: (e,), None, NVFP4),
+    KernelTensor("hidden_states_scale_global", "F32", lambda e, h, n2, i, sf: (), None, NVFP4, kernel_arg=False),
 )
 #: Kernel tensor name -> the canonical field it is made of (the row tensors).
 KERNEL_FIELDS = {t.name: t.field for t in KERNEL_TENSORS if t.field}
@@ -208,18 +238,20 @@ def kernel_scalars(activation: dict, n: int, scale_2: dict[str, torch.Tensor] | 
 
 # -- the kernel's static arguments ----------------------------------------------------------------
 def static_kernel_args(tensors: dict[str, torch.Tensor], kernel_args: dict, rank: dict) -> dict:
-    """Every argument of ``trtllm_fp4_block_scale_moe`` that does not depend on the tokens.
+    """Every argument of ``trtllm_fp4_block_scale_moe`` that does not depend on the tokens, each
+    given explicitly (FlashInfer 0.7.2.post1 warns where ``hidden_states_scale_layout`` is left out).
 
     Parameters
     ----------
     tensors : the rank's tensors of one layer, keyed by FlashInfer parameter name
-    kernel_args : the manifest's ``kernel_args`` of the layer
+    kernel_args : the manifest's ``kernel_args`` of the layer (``valid_hidden_size`` only in the
+        "trimmed" hidden padding: GEMM2 then has roundUp(valid_hidden_size, 128) rows)
     rank : ``local_expert_offset`` and ``local_num_experts`` of the rank
 
     The caller adds ``routing_logits`` ``[T, num_experts]`` (f32 or bf16), ``routing_bias``
-    (DeepSeek: ``e_score_correction_bias``), ``hidden_states`` (bf16 ``[T, hidden_size]`` for
-    MXFP4; NVFP4 packed ``[T, hidden_size/2]`` uint8 quantized with
-    ``hidden_states_scale_global``) and ``hidden_states_scale``.
+    (DeepSeek: ``e_score_correction_bias``), ``hidden_states`` (``[T, hidden_size]``: bf16 or
+    MXFP8 for MXFP4 weights; NVFP4 packed ``[T, hidden_size/2]`` uint8 quantized with
+    ``hidden_states_scale_global``) and ``hidden_states_scale`` (linear layout, as declared here).
     """
     if rank.get("local_expert_offset") is None:
         raise ValueError("round-robin ranks have no local_expert_offset: the trtllm-gen kernel needs "
@@ -230,5 +262,8 @@ def static_kernel_args(tensors: dict[str, torch.Tensor], kernel_args: dict, rank
                 local_expert_offset=rank["local_expert_offset"], local_num_experts=rank["local_num_experts"],
                 routed_scaling_factor=kernel_args.get("routed_scaling_factor"),
                 routing_method_type=kernel_args["routing_method_type"],
-                activation_type=kernel_args.get("activation_type", ActivationType.Swiglu), do_finalize=True)
+                activation_type=kernel_args.get("activation_type", ActivationType.Swiglu), do_finalize=True,
+                norm_topk_prob=kernel_args.get("norm_topk_prob", True),
+                valid_hidden_size=kernel_args.get("valid_hidden_size"),
+                hidden_states_scale_layout=SfLayout.layout_linear)
     return args

@@ -40,6 +40,15 @@ def flashinfer_version() -> str | None:
         return None
 
 
+def flashinfer_import_error(e: ImportError) -> Exception:
+    """The MoeshardError for a FlashInfer whose layout index functions did not import."""
+    from moeshard.errors import MoeshardError
+
+    return MoeshardError(f"the trtllm-gen layout uses FlashInfer's index functions, which did not import ({e}): "
+                         "pip install flashinfer-python==0.7.2.post1 (on a CPU-only machine add --no-deps, then "
+                         "apache-tvm-ffi and the small packages the Makefile lists)")
+
+
 @functools.lru_cache(maxsize=64)
 def _row_permutation(rows: int, epilogue_tile_m: int, gated: bool) -> torch.Tensor:
     # FlashInfer's helpers only read the shape of their argument; a [rows, 1] stand-in suffices.
@@ -47,11 +56,7 @@ def _row_permutation(rows: int, epilogue_tile_m: int, gated: bool) -> torch.Tens
         from flashinfer.fused_moe.core import get_reorder_rows_for_gated_act_gemm_row_indices
         from flashinfer.utils import get_shuffle_matrix_a_row_indices
     except ImportError as e:
-        from moeshard.errors import MoeshardError
-
-        raise MoeshardError(f"the trtllm-gen layout uses FlashInfer's index functions, which did not import ({e}): "
-                            "pip install flashinfer-python==0.7.2.post1 (on a CPU-only machine add --no-deps, then "
-                            "apache-tvm-ffi and the small packages the Makefile lists)") from None
+        raise flashinfer_import_error(e) from None
 
     probe = torch.empty(rows, 1, dtype=torch.uint8)
     shuffle = get_shuffle_matrix_a_row_indices(probe, epilogue_tile_m=epilogue_tile_m)
@@ -174,7 +179,8 @@ def gather_rows(src: torch.Tensor, rows: torch.Tensor, cols: int, out: torch.Ten
 
 
 def trtllm_tensor(kind: str, src: torch.Tensor, rows: torch.Tensor | None, hidden_pad: int, inter_pad: int,
-                  sf: int, epilogue_tile_m: int = EPILOGUE_TILE_M, out: torch.Tensor | None = None) -> torch.Tensor:
+                  sf: int, epilogue_tile_m: int = EPILOGUE_TILE_M, out: torch.Tensor | None = None,
+                  gemm2_rows: int | None = None) -> torch.Tensor:
     """One kernel tensor of n experts (``kind`` a key of :data:`KERNEL_FIELDS`), padded and permuted.
 
     Parameters
@@ -185,10 +191,12 @@ def trtllm_tensor(kind: str, src: torch.Tensor, rows: torch.Tensor | None, hidde
     rows : ``[2*I]`` (GEMM1) or ``[H]`` (GEMM2) int64, or None
     hidden_pad, inter_pad : padded H and I; sf : 32 (MXFP4) or 16 (NVFP4)
     out : optional destination of the result's shape and dtype
+    gemm2_rows : GEMM2's rows (:func:`~moeshard.layouts.kernel.gemm2_rows`), default ``hidden_pad``;
+        fewer (roundUp(H, 128)) in the "trimmed" hidden padding
 
     Returns the kernel tensor: ``gemm1_weights [n, 2*inter_pad, hidden_pad // 2]`` uint8,
     ``gemm1_weights_scale [n, 2*inter_pad, hidden_pad // sf]`` float8_e4m3fn (128x4 interleaved),
-    ``gemm1_bias [n, 2*inter_pad]`` float32, and the GEMM2 ones with ``[n, hidden_pad, ...]``.
+    ``gemm1_bias [n, 2*inter_pad]`` float32, and the GEMM2 ones with ``[n, gemm2_rows, ...]``.
     """
     gemm1 = kind.startswith("gemm1")
     rows = None if rows is None else rows.cpu()  # row maps are built on the CPU, moved once by gather_rows
@@ -199,9 +207,10 @@ def trtllm_tensor(kind: str, src: torch.Tensor, rows: torch.Tensor | None, hidde
             raise ValueError(f"cannot pad I={i} to {inter_pad} (block {sf})")
         src_rows = gemm1_source_rows(rows, i, inter_pad, epilogue_tile_m)
     else:
-        if hidden_pad < r or hidden_pad % sf:
-            raise ValueError(f"cannot pad H={r} to {hidden_pad} (block {sf})")
-        src_rows = gemm2_source_rows(rows, r, hidden_pad, epilogue_tile_m)
+        n2 = hidden_pad if gemm2_rows is None else gemm2_rows
+        if n2 < r or n2 % sf:
+            raise ValueError(f"cannot pad H={r} to {n2} (block {sf})")
+        src_rows = gemm2_source_rows(rows, r, n2, epilogue_tile_m)
     k = hidden_pad if gemm1 else inter_pad  # the reduced dimension: H for GEMM1, I for GEMM2
     if kind.endswith("bias"):
         return gather_rows(src.float(), src_rows, 1, out)
@@ -214,11 +223,13 @@ def trtllm_tensor(kind: str, src: torch.Tensor, rows: torch.Tensor | None, hidde
 
 
 def to_trtllm_padded(c: CanonicalExperts, hidden_pad: int, inter_pad: int,
-                     epilogue_tile_m: int = EPILOGUE_TILE_M) -> dict[str, torch.Tensor]:
+                     epilogue_tile_m: int = EPILOGUE_TILE_M, gemm2_rows: int | None = None) -> dict[str, torch.Tensor]:
     """``to_trtllm(pad_experts(c, hidden_pad, inter_pad))`` with padding and permutation composed
     into one row map per tensor (:func:`trtllm_tensor`): one copy per byte. Same outputs, same
-    preconditions as the two functions it fuses."""
-    return {kind: trtllm_tensor(kind, getattr(c, field), None, hidden_pad, inter_pad, c.sf_vec_size, epilogue_tile_m)
+    preconditions as the two functions it fuses; ``gemm2_rows`` (default ``hidden_pad``) gives
+    GEMM2 fewer rows than GEMM1's K (the "trimmed" hidden padding)."""
+    return {kind: trtllm_tensor(kind, getattr(c, field), None, hidden_pad, inter_pad, c.sf_vec_size, epilogue_tile_m,
+                                gemm2_rows=gemm2_rows)
             for kind, field in KERNEL_FIELDS.items() if getattr(c, field) is not None}
 
 

@@ -73,17 +73,16 @@ def trtllm_args(kt: dict[str, torch.Tensor], kernel_args: dict, rank: dict, hidd
     MXFP4 (GPT-OSS) runs with BF16 activations; NVFP4 with NVFP4 activations quantized with the
     artifact's ``hidden_states_scale_global`` (linear scale layout). Logits and the routing bias
     stay float32 (the launcher takes f32 or bf16 for every routing method), so that the kernel
-    routes exactly as the reference does.
+    routes exactly as the reference does. With the "trimmed" hidden padding ``kernel_args`` holds
+    ``valid_hidden_size`` and the kernel's output is that wide.
     """
-    from flashinfer.tllm_enums import SfLayout
-
     nvfp4 = "output1_scale_scalar" in kt
     args = static_kernel_args(kt, kernel_args, rank)
     args.update(routing_logits=logits.float(),
                 routing_bias=None if routing_bias is None else routing_bias.float())
     if nvfp4:
         packed, sf, deq = quantize_hidden_states(hidden, kt["hidden_states_scale_global"])
-        args.update(hidden_states=packed, hidden_states_scale=sf, hidden_states_scale_layout=SfLayout.layout_linear)
+        args.update(hidden_states=packed, hidden_states_scale=sf)
         return args, deq
     bf = hidden.to(torch.bfloat16)
     args.update(hidden_states=bf, hidden_states_scale=None)
@@ -91,7 +90,8 @@ def trtllm_args(kt: dict[str, torch.Tensor], kernel_args: dict, rank: dict, hidd
 
 
 def run_trtllm(args: dict) -> torch.Tensor:
-    """One call of the kernel; returns the output ``[T, H_pad]`` float32."""
+    """One call of the kernel; returns the output ``[T, H_pad]`` float32 (``[T, valid_hidden_size]``
+    with the "trimmed" hidden padding)."""
     from flashinfer.fused_moe import trtllm_fp4_block_scale_moe
 
     return trtllm_fp4_block_scale_moe(**args)[0].float()

@@ -213,9 +213,10 @@ class GroupCheck:
     from the whole (unsliced) source experts, for the comparison of the sum over ranks with the
     full layer."""
 
-    def __init__(self, job: LayerJob, *, spec, routing: Routing, h_pad: int, i_pad: int, scales, device: str,
-                 tol: float, tick: Callable[[int, str], None], layout_cache: dict):
+    def __init__(self, job: LayerJob, *, spec, routing: Routing, h_pad: int, i_pad: int, gemm2_rows: int, scales,
+                 device: str, tol: float, tick: Callable[[int, str], None], layout_cache: dict):
         self.job, self.spec, self.r, self.h_pad, self.i_pad = job, spec, routing, h_pad, i_pad
+        self.gemm2_rows = gemm2_rows
         self.scales, self.device, self.tol, self.tick, self.layout_cache = scales, device, tol, tick, layout_cache
         t, h = routing.x.shape[0], spec.hidden_size
         self.results = [RankResult(entry.rank, got=torch.zeros(t, h, device=device),
@@ -269,7 +270,7 @@ class GroupCheck:
             res.experts_checked += len(chunk)
             self._layout(chunk, glob, ref, kt, res)
             if (failed or res.leaks) and not res.diagnosis:  # which stored tensor, from which expert
-                want_t = to_trtllm_padded(ref, self.h_pad, self.i_pad)
+                want_t = to_trtllm_padded(ref, self.h_pad, self.i_pad, gemm2_rows=self.gemm2_rows)
                 scale_2 = {k: getattr(ref, k) for k in ("w1_scale_2", "w3_scale_2", "w2_scale_2")}
                 want_t.update({k: v.to(dev) for k, v in kernel_scalars(
                     spec.activation, len(chunk), scale_2 if self.scales is not None else None, self.scales).items()})
@@ -283,8 +284,11 @@ class GroupCheck:
 
         for k, ge in enumerate(glob):
             if chunk[k] in self.job.layout:
-                want_k = flashinfer_layout(pad_experts(_expert(ref, k), self.h_pad, self.i_pad),
-                                           cache=self.layout_cache)
+                one = _expert(ref, k)
+                want_k = flashinfer_layout(pad_experts(one, self.h_pad, self.i_pad), cache=self.layout_cache)
+                if self.gemm2_rows != self.h_pad:  # "trimmed": GEMM2's rows padded to fewer than GEMM1's K
+                    trimmed = flashinfer_layout(pad_experts(one, self.gemm2_rows, self.i_pad), cache=self.layout_cache)
+                    want_k.update({n: v for n, v in trimmed.items() if n.startswith("gemm2")})
                 bad = [d.split(" (")[0] for d in differences({n: kt[n][k:k + 1] for n in want_k}, want_k, [ge])]
                 if bad:
                     res.layout_problems.append(f"expert {ge}: {', '.join(bad)} differ from FlashInfer's own "

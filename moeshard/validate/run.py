@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from moeshard.artifact.manifest import LOCAL_NAME, Manifest, artifact_file
+from moeshard.artifact.load import check_layout
+from moeshard.artifact.manifest import LOCAL_NAME, MANIFEST_NAME, Manifest, artifact_file
 from moeshard.checkpoints.families import detect, read_experts, read_rank_experts
 from moeshard.checkpoints.formats import QuantFormat
 from moeshard.checkpoints.formats.fp4 import dequantize_mxfp4, dequantize_nvfp4
@@ -132,10 +133,12 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
 
     When every rank and expert is checked, the sum of the partial outputs is compared with the
     full layer computed from all source experts. A failing rank is named with layer, tensor and
-    expert.
+    expert. An artifact the installed FlashInfer lays out otherwise is refused first
+    (:func:`~moeshard.artifact.load.check_layout`).
     """
     out = Path(out)
     m = Manifest.read(out)
+    check_layout(m, out / MANIFEST_NAME)
     if tokens < 1:
         raise MoeshardError(f"--tokens: expected a positive integer, found {tokens}")
     if experts is not None and experts < 1:
@@ -209,7 +212,8 @@ def validate(out: Path, *, source: Path | None = None, layers: list[int] | None 
                 rows, sum_got, want_full = [], torch.zeros(tokens, spec.hidden_size, device=device), \
                     torch.zeros(tokens, spec.hidden_size, device=device)
                 for job in jobs[layer]:
-                    group = GroupCheck(job, spec=spec, routing=routing, h_pad=h_pad, i_pad=i_pad, scales=scales,
+                    group = GroupCheck(job, spec=spec, routing=routing, h_pad=h_pad, i_pad=i_pad,
+                                       gemm2_rows=m.padding.gemm2_rows, scales=scales,
                                        device=device, tol=tol, tick=tick, layout_cache=layout_cache)
                     for chunk in job.chunks(per_expert, device):
                         group.add(chunk, *next(loaded))

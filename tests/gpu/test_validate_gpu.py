@@ -39,7 +39,7 @@ def test_validate_on_cuda(request, tmp_path, family, layout):
 def test_layout_check_on_cuda_catches_the_wrong_order(tmp_path, gpt_oss_tiny, deepseek_tiny, monkeypatch):
     """As the CPU test of the same name, with the expected layout rebuilt by FlashInfer's CUDA
     interleave: the decode passes, the layout check names gemm1_weights."""
-    from moeshard.layouts import trtllm
+    from moeshard.layouts import fingerprint, trtllm
 
     def wrong_order(rows, epilogue_tile_m, gated):
         from flashinfer.fused_moe.core import get_reorder_rows_for_gated_act_gemm_row_indices
@@ -50,6 +50,7 @@ def test_layout_check_on_cuda_catches_the_wrong_order(tmp_path, gpt_oss_tiny, de
         return shuffle[get_reorder_rows_for_gated_act_gemm_row_indices(probe)] if gated else shuffle
 
     monkeypatch.setattr(trtllm, "_row_permutation", wrong_order)
+    monkeypatch.setattr(fingerprint, "moeshard_indices", fingerprint.flashinfer_indices)  # convert's guard off
     for src in (gpt_oss_tiny, deepseek_tiny):
         out = convert(src, tmp_path / src.parent.name, ep_size=2).out
         report = validate(out, tokens=4, device="cuda", backend="decode")
