@@ -14,7 +14,6 @@ from moeshard.artifact.manifest import read_manifest
 from moeshard.checkpoints.formats import QuantFormat
 from moeshard.checkpoints.source import Checkpoint
 from moeshard.convert.pipeline import convert
-from moeshard.errors import MoeshardError
 from moeshard.layouts.trtllm import from_trtllm
 from moeshard.validate.moe import moe_forward
 from moeshard.validate.run import expert_fn
