@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from moeshard.checkpoints.ranged import RangeCache
 from moeshard.checkpoints.safetensors_io import INDEX_NAME, SINGLE_NAME, TensorInfo, read_header
 from moeshard.errors import MoeshardError
 from moeshard.files import load_json
@@ -18,7 +19,8 @@ class Checkpoint:
 
     Holds config.json, the optional hf_quant_config.json, and every tensor's header
     (:class:`TensorInfo`); tensor bytes are read only by :meth:`read`, through safetensors'
-    memory map, and only the requested slice.
+    memory map, and only the requested slice. In a Hub run's ranged cache
+    (:mod:`moeshard.checkpoints.ranged`), a read of bytes that were not fetched is refused.
     """
 
     def __init__(self, root: Path, *, with_config: bool = True, partial: bool = False):
@@ -32,6 +34,7 @@ class Checkpoint:
         self.config = load_json(self.file("config.json")) if with_config else {}
         qpath = self.file("hf_quant_config.json")
         self.quant_config = load_json(qpath) if with_config and qpath.is_file() else None
+        self.ranges = RangeCache.at(self.root)
         self.tensors = self._read_headers()
         self._handles: dict[str, object] = {}
         self._fds: dict[str, int] = {}  # for prefetch
@@ -127,6 +130,13 @@ class Checkpoint:
         from safetensors import safe_open
 
         t = self.info(name)
+        if self.ranges is not None:
+            row = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
+            a = t.offset + (0 if start is None else start * row)
+            b = t.offset + (t.nbytes if stop is None else stop * row)
+            if not self.ranges.covers(t.file, a, b):
+                raise MoeshardError(f"{self.root / t.file}: {name}: bytes {a}-{b - 1} were not fetched (a rank-only Hub "
+                                    "run fetches only the byte ranges its ranks read)")
         f = self._handles.get(t.file)
         if f is None:
             f = self._handles[t.file] = safe_open(self.root / t.file, framework="pt")
