@@ -94,7 +94,8 @@ class Transfer:
     """What a ranged run moved: ``share`` bytes of the parts only its ranks read, ``shared`` bytes
     of the parts every rank reads, ``headers`` bytes of the shards' headers, ``fetched`` body
     bytes received by this run in ``requests`` answers (the rest was in the cache), and ``whole``
-    bytes of the shards holding those parts (what downloading whole shards would move)."""
+    bytes of the shards holding those parts (what downloading whole shards would move), in
+    ``seconds`` of fetching."""
 
     share: int = 0
     shared: int = 0
@@ -237,7 +238,8 @@ class RangeCache:
         with open(self.state / "lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                self.load() if (self.state / "files.json").is_file() else None
+                if (self.state / "files.json").is_file():  # what other processes fetched meanwhile
+                    self.load()
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
@@ -336,7 +338,6 @@ class RangeCache:
         """Fetch what of ``parts`` is not in the cache (gaps coalesced: :func:`coalesce`), then
         return per shard what was read: ``{"header_sha256", "tensors": {part key: {"bytes",
         "sha256"}}}``. ``progress(n, what)`` as bytes arrive (``progress.total(n)`` first)."""
-        t0 = time.perf_counter()
         with self._locked():
             share = sum(p.stop - p.start for p in {(p.file, p.start, p.stop): p for p in parts}.values() if p.own)
             todo = coalesce(self.missing(parts), int(GAP_FRACTION * share), self.spans)
@@ -351,7 +352,6 @@ class RangeCache:
             t.share += sum(p.stop - p.start for p in unique if p.own)
             t.shared += sum(p.stop - p.start for p in unique if not p.own)
             t.whole += sum(self.files[f]["bytes"] for f in files)
-            t.seconds += time.perf_counter() - t0
         return hashes
 
     def _get_all(self, ranges: dict[str, list[tuple[int, int]]], progress: Callable | None) -> None:
@@ -364,7 +364,7 @@ class RangeCache:
             return
         fds = {f: self._shard(f) for f in ranges}
         done: list[tuple[str, int, int]] = []
-        last = time.monotonic()
+        t0 = last = time.monotonic()
         try:
             with ThreadPoolExecutor(self.max_workers, thread_name_prefix="moeshard-fetch") as pool:
                 pending = {pool.submit(self._get, fds[f], f, a, b, progress): (f, a, b) for f, a, b in pieces}
@@ -397,6 +397,8 @@ class RangeCache:
             self._commit(fds, done)
             for fd in fds.values():
                 os.close(fd)
+            with self._count:
+                self.transfer.seconds += time.monotonic() - t0
 
     def _hub_error(self, e: Exception) -> Exception:
         """A hub failure as one line (:func:`~moeshard.checkpoints.hub.hub_error`); others unchanged."""

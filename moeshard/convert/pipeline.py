@@ -165,8 +165,9 @@ def run(group: Group, source: Path, hub: HubSource | None, out: Path, options: O
         tick = progress or (lambda n, what: None)
         if group.leader and not options.resume:
             check_free_space(out, plan.bytes_to_write)  # before anything is created
-        transfer, read = (None, None) if hub is None or hub.ranged is None else \
-            fetch_source(group, plan, ckpt, adapter, hub.ranged, tick)
+        transfer, read = None, None
+        if hub is not None and hub.ranged is not None:
+            transfer, read = fetch_source(group, plan, ckpt, adapter, hub.ranged, tick)
         if hasattr(tick, "total"):
             tick.total(plan.bytes_to_write)
         od = OutputDir(out, _fingerprint(plan, ckpt), overwrite=options.overwrite, resume=options.resume,
