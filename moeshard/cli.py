@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 
 from moeshard import __version__
+from moeshard.checkpoints.ranged import MAX_WORKERS
 from moeshard.errors import MoeshardError
 
 DEBUG_ENV = "MOESHARD_DEBUG"
@@ -187,7 +188,7 @@ def convert(
     cache_dir: Annotated[Path | None, typer.Option(help="Hub cache folder (default: HF_HUB_CACHE).")] = None,
     token: TokenOpt = None,
     max_workers: Annotated[int, typer.Option(min=1, help="Concurrent HTTP range requests when a repo id is read "
-                                                         "by ranges (--ranks, or under torchrun).")] = 8,
+                                                         "by ranges (--ranks, or under torchrun).")] = MAX_WORKERS,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate headers and print the plan; write "
                                                             "nothing.")] = False,
     device: DeviceOpt = "cpu",

@@ -309,3 +309,20 @@ def test_coalesce_reads_through_small_gaps_within_the_budget_and_never_cached_by
     cached = Spans()
     cached.add(2500, 2600)
     assert coalesce(ranges, 10**6, {"a": cached}) == {"a": [(0, 2000), (3000, 101_000)]}
+
+
+def test_a_process_reads_only_the_experts_and_layers_of_its_files(deepseek_tiny):
+    from moeshard.convert.distributed import Group
+    from moeshard.convert.pipeline import my_jobs, source_parts
+    from moeshard.convert.plan import Options, make_plan
+
+    with Checkpoint(deepseek_tiny) as ckpt:
+        adapter = detect(ckpt)
+        plan = make_plan(ckpt, adapter.spec(ckpt), Options(ep_size=4, max_shard_bytes=60_000, common=False))
+        assert all(len(r.files) > 1 for r in plan.ranks)  # a file per layer: processes share a rank's layers
+        for process in range(3):
+            jobs = my_jobs(plan, Group(process, 3))
+            allowed = {(x, e) for r, f in jobs for x in f.layers for e in r.experts}
+            got = {(int(m.group(1)), int(m.group(2))) for p in source_parts(plan, ckpt, adapter, jobs) if p.own
+                   if (m := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.", p.name))}
+            assert got == allowed
