@@ -238,7 +238,8 @@ def convert(
         t = res.transfer.to_json()
         err_console.print(f"fetched {fmt_bytes(t['fetched'])} by HTTP range from {m.source.repo_id} in "
                           f"{plural(t['requests'], 'request')} ({t['seconds']:.2f} s, {t['rate_mb_s']:.1f} MB/s) for "
-                          f"the ranks' share {fmt_bytes(t['share'])}, tensors every rank reads {fmt_bytes(t['shared'])} "
+                          f"the ranks' share {fmt_bytes(t['share'])}, shared tensors (routers, activation scales, common/) "
+                          f"{fmt_bytes(t['shared'])} "
                           f"and the headers {fmt_bytes(t['headers'])} (ranges in the cache are not fetched again); "
                           f"whole shards would be {fmt_bytes(t['whole'])}: saved {fmt_bytes(t['saved'])}",
                           markup=False)

@@ -92,7 +92,7 @@ def parse_key(key: str) -> tuple[str, tuple[int, int] | None]:
 @dataclass
 class Transfer:
     """What a ranged run moved: ``share`` bytes of the parts only its ranks read, ``shared`` bytes
-    of the parts every rank reads, ``headers`` bytes of the shards' headers, ``fetched`` body
+    of the others (routers, activation scales, common/ tensors), ``headers`` bytes of the shards' headers, ``fetched`` body
     bytes received by this run in ``requests`` answers (the rest was in the cache), and ``whole``
     bytes of the shards holding those parts (what downloading whole shards would move), in
     ``seconds`` of fetching."""
