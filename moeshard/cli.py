@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 
 from moeshard import __version__
+from moeshard.checkpoints.ranged import MAX_WORKERS
 from moeshard.errors import MoeshardError
 
 DEBUG_ENV = "MOESHARD_DEBUG"
@@ -81,7 +82,8 @@ def parse_ints(text: str | None) -> list[int] | None:
 def _progress(enabled: bool, total: int | None = None, description: str = "", in_bytes: bool = False):
     """A rich progress bar on stderr (only on a terminal and when enabled), as (context, tick).
 
-    ``tick(n, what)`` advances it; ``tick.total(n)`` sets the total once the library has planned.
+    ``tick(n, what)`` advances it; ``tick.total(n)`` starts it again with that total once the
+    library has planned a stage (a Hub run of some ranks: the bytes to fetch, then to write).
     """
     from contextlib import nullcontext
 
@@ -108,7 +110,7 @@ def _progress(enabled: bool, total: int | None = None, description: str = "", in
     def tick(n: int = 0, what: str = "") -> None:
         prog.update(task, advance=n, description=f"{description} {what}".strip())
 
-    tick.total = lambda n: prog.update(task, total=n)
+    tick.total = lambda n: prog.reset(task, total=n)
     return prog, tick
 
 
@@ -165,7 +167,8 @@ def fixture(
 @app.command(epilog=examples("moeshard convert openai/gpt-oss-120b --ep-size 8 -o out/",
                              "moeshard convert ./gpt-oss-20b --ep-size 4 -o out/ --dry-run",
                              "moeshard convert openai/gpt-oss-120b --hidden-padding trimmed -o out/",
-                             "moeshard convert nvidia/DeepSeek-R1-FP4 --ep-size 8 --ranks 3 --no-common -o out/"))
+                             "moeshard convert nvidia/DeepSeek-R1-FP4 --ep-size 8 --ranks 3 --no-common -o out/",
+                             "torchrun --nproc-per-node 8 -m moeshard convert openai/gpt-oss-120b --ep-size 8 -o out/"))
 def convert(
     source: Annotated[str, typer.Argument(help="Checkpoint folder or Hugging Face repo id (org/name).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Artifact folder to write.")],
@@ -190,12 +193,14 @@ def convert(
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted conversion into OUTPUT, reusing "
                                                           "the files it finished (checked by sha256).")] = False,
     ranks: Annotated[str | None, typer.Option(help="Convert only these ranks, e.g. 3 or 0-3 (a repo id then "
-                                                      "downloads only the shards they need).")] = None,
+                                                      "fetches only the byte ranges they read).")] = None,
     common: Annotated[bool, typer.Option("--common/--no-common", help="Also write common/ (every non-expert "
                                                                        "tensor).")] = True,
     revision: RevisionOpt = None,
     cache_dir: Annotated[Path | None, typer.Option(help="Hub cache folder (default: HF_HUB_CACHE).")] = None,
     token: TokenOpt = None,
+    max_workers: Annotated[int, typer.Option(min=1, help="Concurrent HTTP range requests when a repo id is read "
+                                                         "by ranges (--ranks, or under torchrun).")] = MAX_WORKERS,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate headers and print the plan; write "
                                                             "nothing.")] = False,
     device: DeviceOpt = "cpu",
@@ -207,7 +212,7 @@ def convert(
 
     kw = dict(ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
               hidden_padding=hidden_padding, max_shard_bytes=parse_size(max_shard_size), ranks=parse_ints(ranks),
-              common=common, revision=revision, cache_dir=cache_dir, token=token)
+              common=common, revision=revision, cache_dir=cache_dir, token=token, max_workers=max_workers)
     if dry_run:
         plan = convert_checkpoint(source, output, dry_run=True, **kw)
         doc = plan.to_json()
@@ -228,7 +233,8 @@ def convert(
                "tp_size": m.tp_size, "placement": m.placement, "moe_layers": len(m.moe_layers),
                "bytes_read": res.bytes_read, "bytes_written": res.bytes_written, "bytes_reused": res.bytes_reused,
                "files_reused": res.files_reused, "replaced": res.replaced, "seconds": round(res.seconds, 3),
-               "throughput_gb_s": round(rate / 1e9, 3)}
+               "throughput_gb_s": round(rate / 1e9, 3),
+               "transfer": res.transfer.to_json() if res.transfer else None}
     if as_json:
         out_console.print_json(json.dumps(summary))
         return
@@ -240,6 +246,15 @@ def convert(
                       f"{fmt_bytes(res.bytes_written)} in {res.seconds:.2f} s ({fmt_bytes(rate)}/s)"
                       + (f"; reused {plural(res.files_reused, 'finished file')} ({fmt_bytes(res.bytes_reused)})"
                          if res.files_reused else ""), markup=False)
+    if res.transfer:
+        t = res.transfer.to_json()
+        err_console.print(f"fetched {fmt_bytes(t['fetched'])} by HTTP range from {m.source.repo_id} in "
+                          f"{plural(t['requests'], 'request')} ({t['seconds']:.2f} s, {t['rate_mb_s']:.1f} MB/s) for "
+                          f"the ranks' share {fmt_bytes(t['share'])}, shared tensors (routers, activation scales, common/) "
+                          f"{fmt_bytes(t['shared'])} "
+                          f"and the headers {fmt_bytes(t['headers'])} (ranges in the cache are not fetched again); "
+                          f"whole shards would be {fmt_bytes(t['whole'])}: saved {fmt_bytes(t['saved'])}",
+                          markup=False)
     out_console.print(str(res.out), markup=False)
 
 
@@ -316,29 +331,43 @@ def inspect(
     out_console.print_json(json.dumps(info)) if as_json else _print_inspect(info)
 
 
-@app.command(epilog=examples("moeshard verify out/", "moeshard verify out/ --json"))
+@app.command(epilog=examples("moeshard verify out/", "moeshard verify out/ --json",
+                             "moeshard verify out/ --source ./DeepSeek-R1-FP4"))
 def verify(
     artifact: Annotated[Path, typer.Argument(help="Artifact folder written by moeshard convert.")],
+    source: Annotated[Path | None, typer.Option(help="A copy of the source (e.g. a whole download) to compare with "
+                                                        "what a ranged Hub conversion read (default: the folder this "
+                                                        "machine converted from).")] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Re-hash every file against the manifest (sha256); exit 1 on any problem."""
+    """Re-hash every file against the manifest (sha256) and say what was verified of the source; exit 1 on
+    any problem."""
     from moeshard.artifact.verify import as_json as checks_json
+    from moeshard.artifact.verify import check_source
     from moeshard.artifact.verify import verify as verify_artifact
 
     ctx, tick = _progress(not (as_json or quiet), description="verifying", in_bytes=True)
     with ctx:
         checks = verify_artifact(artifact, progress=tick)
+        src = check_source(artifact, source, progress=tick)
     bad = [c for c in checks if not c.ok]
     if as_json:
-        out_console.print_json(json.dumps(checks_json(checks)))
+        out_console.print_json(json.dumps(checks_json(checks, src)))
     else:
         for c in bad:
             err_console.print(f"FAIL: {artifact / c.path}: {c.problem}", markup=False)
+        for problem in src.problems:
+            err_console.print(f"FAIL: source: {problem}", markup=False)
         out_console.print(("[green]OK[/]" if not bad else "[red]FAIL[/]") +
                           f": {len(checks) - len(bad)}/{len(checks)} files match the manifest "
                           f"({fmt_bytes(sum(c.bytes for c in checks))}, sha256)")
-    if bad:
+        out_console.print(f"source: {src.summary}", markup=False)
+        if src.copy:
+            out_console.print(f"source: {src.checked} recorded sha256 match {src.copy}"
+                              + (f", {len(src.problems)} differ" if src.problems else "")
+                              + (f", {src.absent} not in that copy" if src.absent else ""), markup=False)
+    if bad or src.problems:
         raise typer.Exit(1)
 
 

@@ -48,13 +48,24 @@ class Tool:
 @dataclass(frozen=True)
 class Source:
     """The source checkpoint as published: a Hub repo by id, revision and commit, a local folder
-    by its name only; ``files``: each source file's size (and Hub blob hash)."""
+    by its name only; ``files``: each source file's size (and the hash the Hub names its blob by:
+    ``sha256`` of an LFS file, ``git_sha1`` of another; of the whole file, recorded as the Hub
+    gives it).
+
+    ``ranged``: the shards were read by HTTP range (a Hub run of some ranks), not downloaded
+    whole, so the Hub's whole-file hashes were not checked. What was checked instead is recorded
+    per shard in ``files``: ``header_sha256`` (the header, parsed and checked against the file
+    size: the plan comes from it) and ``tensors``, per tensor read (``name``, or ``name[a:b]``
+    for expert rows a..b-1 of a fused tensor), its ``bytes`` (every answer's Content-Range and
+    length checked against the header's offsets) and the ``sha256`` of the bytes read, to compare
+    with any later read (``moeshard verify --source``)."""
 
     name: str | None
     repo_id: str | None
     revision: str | None
     commit: str | None
     files: dict
+    ranged: bool = False
 
     def label(self) -> str:
         """``org/name at commit <sha>``, or the local folder's name (never a local path)."""
@@ -245,7 +256,7 @@ def _build(cls, doc, where: str):
     for f in dataclasses.fields(cls):
         if f.name not in doc:
             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
-                continue
+                continue  # a field added later: an older manifest has its default
             raise MoeshardError(f"{where}: malformed manifest: {cls.__name__}.{f.name} is missing")
         kw[f.name] = _value(hints[f.name], doc[f.name], where, f"{cls.__name__}.{f.name}")
     return cls(**kw)

@@ -1,8 +1,10 @@
 """Hugging Face Hub access in one place: resolve a repo id to a local snapshot (only the files a
-conversion needs), record what was used, and push an artifact.
+conversion needs) or, for a run of some ranks, to a cache of the byte ranges it reads
+(:mod:`moeshard.checkpoints.ranged`); record what was used; one-line hub errors.
 
 Environment as huggingface_hub reads it: ``HF_HOME`` / ``HF_HUB_CACHE`` (where), ``HF_TOKEN``
-(who), ``HF_HUB_OFFLINE=1`` (the cache only). Progress is the hub's own.
+(who), ``HF_ENDPOINT`` (which Hub), ``HF_HUB_OFFLINE=1`` (the cache only). Progress of whole-file
+downloads is the hub's own.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moeshard.checkpoints.ranged import MAX_WORKERS, RangeCache
 from moeshard.errors import MoeshardError
 
 #: Files a conversion reads or copies: configs, quant config, index, tokenizer and generation
@@ -25,13 +28,15 @@ ALLOW_PATTERNS = META_PATTERNS + SHARD_PATTERNS
 
 @dataclass
 class HubSource:
-    """Where a repo id resolved to: the local snapshot folder, the commit, and each file's hash."""
+    """Where a repo id resolved to: the local snapshot folder (or ranged cache, ``ranged``), the
+    commit, and each file's hash."""
 
     repo_id: str
     revision: str | None
     commit: str
     path: Path
     files: dict[str, dict] = field(default_factory=dict)  # name -> {"bytes", "sha256" (LFS) or "git_sha1"}
+    ranged: RangeCache | None = None
 
     def manifest_source(self) -> dict:
         return {"repo_id": self.repo_id, "revision": self.revision, "commit": self.commit}
@@ -120,19 +125,35 @@ def needed_files(weight_map: dict[str, str], names: set[str]) -> list[str]:
 
 
 def resolve(source: str, *, revision: str | None = None, cache_dir: Path | None = None, token: str | None = None,
-            select=None) -> tuple[Path, HubSource | None]:
+            select=None, ranged: bool = False, max_workers: int = MAX_WORKERS) -> tuple[Path, HubSource | None]:
     """A local folder as it is, or a repo id downloaded (everything a conversion needs).
 
-    ``select(folder) -> list[str]`` chooses the shards of a rank-only run from the configs and
-    the index, which are fetched first; then only those shards, from the same commit.
+    A run of some ranks gets the configs and the index first, then, from the same commit:
+    with ``ranged``, a :class:`RangeCache` holding every shard's header (the run fetches the
+    ranges it reads later); without it, or offline with no ranged cache of that commit, only the
+    shards ``select(folder) -> list[str]`` chooses from the configs and the index.
     """
     if not looks_like_repo_id(source):
         return Path(source), None
-    if select is None:
+    if select is None and not ranged:
         path = download(source, list(ALLOW_PATTERNS), revision, cache_dir, token)
-    else:
-        meta = download(source, list(META_PATTERNS), revision, cache_dir, token)
-        shards = select(meta) if (meta / "model.safetensors.index.json").is_file() else ["model.safetensors"]
-        # Pin the commit the metadata came from, so that every file is of one revision.
-        path = download(source, list(META_PATTERNS) + shards, meta.name, cache_dir, token)
-    return path, HubSource(source, revision, path.name, path, file_hashes(path))
+        return path, HubSource(source, revision, path.name, path, file_hashes(path))
+    meta = download(source, list(META_PATTERNS), revision, cache_dir, token)
+    commit = meta.name  # every file comes from the commit the metadata came from
+    repo_cache = meta.parent.parent
+    if ranged and (not _offline() or (repo_cache / RangeCache.folder(commit)).is_dir()):
+        try:
+            cache = RangeCache.open(source, commit, meta, repo_cache, token, max_workers)
+        except hub_errors() as e:
+            raise hub_error(source, e) from None
+        return cache.root, HubSource(source, revision, commit, cache.root,
+                                     {n: h for n, h in cache.files.items() if (cache.root / n).is_file()}, cache)
+    shards = select(meta) if (meta / "model.safetensors.index.json").is_file() else ["model.safetensors"]
+    path = download(source, list(META_PATTERNS) + shards, commit, cache_dir, token)
+    return path, HubSource(source, revision, commit, path, file_hashes(path))
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from moeshard.checkpoints.ranged import RangeCache
 from moeshard.checkpoints.safetensors_io import DTYPES, INDEX_NAME, SINGLE_NAME, TensorInfo, pread_into, read_header
 from moeshard.errors import MoeshardError
 from moeshard.files import load_json
@@ -19,7 +20,8 @@ class Checkpoint:
 
     Holds config.json, the optional hf_quant_config.json, and every tensor's header
     (:class:`TensorInfo`); tensor bytes are read only by :meth:`read`, and only the requested
-    slice.
+    slice. In a Hub run's ranged cache (:mod:`moeshard.checkpoints.ranged`), a read of bytes that
+    were not fetched is refused.
     """
 
     def __init__(self, root: Path, *, with_config: bool = True, partial: bool = False):
@@ -33,8 +35,8 @@ class Checkpoint:
         self.config = load_json(self.file("config.json")) if with_config else {}
         qpath = self.file("hf_quant_config.json")
         self.quant_config = load_json(qpath) if with_config and qpath.is_file() else None
+        self.ranges = RangeCache.at(self.root)
         self.tensors = self._read_headers()
-        self._handles: dict[str, object] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0  # tensor bytes returned by read(), for throughput reports
@@ -131,32 +133,23 @@ class Checkpoint:
         pinned memory with ``pin``, for asynchronous copies to a GPU): one ``pread`` of exactly
         its bytes (safe from several threads at once)."""
         t = self.info(name)
-        if t.offset < 0 or t.dtype == "F4":  # no byte offset known, or a sub-byte dtype
-            out = self._read_mapped(name, start, stop)
-            return out.pin_memory() if pin else out
+        if t.dtype == "F4":
+            raise MoeshardError(f"{self.root / t.file}: {name}: dtype F4 is not supported (FP4 checkpoints store "
+                                "packed codes as U8)")
         n = t.shape[0] if t.shape else 1
         a, b = (0, n) if start is None and stop is None else slice(start, stop).indices(n)[:2]
-        b = max(a, b)
+        b, row = max(a, b), t.nbytes // n if n else 0
+        first, end = t.offset + a * row, t.offset + b * row
+        if self.ranges is not None and not self.ranges.covers(t.file, first, end):
+            raise MoeshardError(f"{self.root / t.file}: {name}: bytes {first}-{end - 1} were not fetched (a rank-only "
+                                "Hub run fetches only the byte ranges its ranks read)")
         out = torch.empty((b - a, *t.shape[1:]) if t.shape else (), dtype=DTYPES[t.dtype], pin_memory=pin)
         if out.numel():
-            pread_into(self._fd(t.file), memoryview(out.reshape(-1).view(torch.uint8).numpy()),
-                       t.offset + a * (t.nbytes // n), f"{self.root / t.file} (tensor {name})")
+            pread_into(self._fd(t.file), memoryview(out.reshape(-1).view(torch.uint8).numpy()), first,
+                       f"{self.root / t.file} (tensor {name})")
         with self._lock:
             self.bytes_read += out.numel() * out.element_size()
         return out
-
-    def _read_mapped(self, name: str, start: int | None, stop: int | None) -> torch.Tensor:
-        from safetensors import safe_open
-
-        t = self.info(name)
-        with self._lock:
-            f = self._handles.get(t.file)
-            if f is None:
-                f = self._handles[t.file] = safe_open(self.root / t.file, framework="pt")
-        t = f.get_tensor(name) if start is None and stop is None else f.get_slice(name)[start:stop]
-        with self._lock:
-            self.bytes_read += t.numel() * t.element_size()
-        return t.clone()
 
     def _fd(self, rel: str) -> int:
         with self._lock:
@@ -178,7 +171,6 @@ class Checkpoint:
         os.posix_fadvise(self._fd(t.file), a, b - a, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        self._handles.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -1,9 +1,10 @@
 """``moeshard convert``: resolve the source -> plan -> produce the files -> write the manifest.
 
 Each step is a named function: :func:`resolve_source` (a folder, or a Hub repo id downloaded),
-:func:`make_plan` (headers only; nothing is written before the plan holds), :func:`produce`
-(every output file, shared out over the processes under torchrun) and :func:`build_manifest`
-(written last, by process 0).
+:func:`make_plan` (headers only; nothing is written before the plan holds), :func:`fetch_source`
+(a Hub run of some ranks: the byte ranges this process reads), :func:`produce` (every output
+file, shared out over the processes under torchrun) and :func:`build_manifest` (written last, by
+process 0).
 """
 
 from __future__ import annotations
@@ -30,12 +31,21 @@ from moeshard.artifact.manifest import (
     is_artifact,
 )
 from moeshard.artifact.output import OutputDir, check_free_space
-from moeshard.checkpoints.families import check_sizes, detect, detect_config, needed_tensors
+from moeshard.checkpoints.families import (
+    Adapter,
+    check_sizes,
+    detect,
+    detect_config,
+    expert_runs,
+    needed_rows,
+    needed_tensors,
+)
 from moeshard.checkpoints.hub import HubSource, needed_files, resolve
+from moeshard.checkpoints.ranged import MAX_WORKERS, Part, RangeCache, Transfer
 from moeshard.checkpoints.safetensors_io import INDEX_NAME, index_doc
 from moeshard.checkpoints.source import Checkpoint
 from moeshard.convert.distributed import Group
-from moeshard.convert.plan import PLACEMENT_ENGINES, Options, Plan, make_plan, rank_experts
+from moeshard.convert.plan import PLACEMENT_ENGINES, Options, OutFile, Plan, RankPlan, make_plan, rank_experts
 from moeshard.convert.produce import Progress, write_common_file, write_rank_file
 from moeshard.errors import Interrupted, MoeshardError
 from moeshard.files import json_text, load_json
@@ -53,6 +63,7 @@ class ConvertResult:
     files_reused: int = 0
     bytes_reused: int = 0
     replaced: list[str] = field(default_factory=list)  # what --overwrite removed (top-level names)
+    transfer: Transfer | None = None  # a ranged Hub source: what the processes fetched
 
 
 def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1, placement: str = "contiguous",
@@ -60,7 +71,7 @@ def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1
             overwrite: bool = False, resume: bool = False, device: str = "cpu", progress: Progress | None = None,
             dry_run: bool = False, chunk_bytes: int | None = None, ranks: list[int] | None = None,
             common: bool = True, revision: str | None = None, cache_dir: Path | None = None,
-            token: str | None = None) -> ConvertResult | Plan:
+            token: str | None = None, max_workers: int = MAX_WORKERS) -> ConvertResult | Plan:
     """Convert checkpoint ``source`` into the artifact folder ``out`` (DESIGN.md).
 
     Plans and validates every header first; nothing is written before the plan holds. Each file
@@ -70,10 +81,11 @@ def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1
     writes nothing. Under ``torchrun`` the output files are shared out over the processes
     (see :mod:`moeshard.convert.distributed`); the artifact is the same.
 
-    ``source`` is a folder or a Hub repo id (``revision``, ``cache_dir``, ``token`` as
-    huggingface_hub takes them). ``ranks`` converts only those ranks (a repo id then fetches only
-    the shards they need); ``common=False`` leaves out ``common/``. The other arguments are the
-    :class:`Options` of the run.
+    ``source`` is a folder or a Hub repo id (``revision``, ``cache_dir``, ``token``,
+    ``max_workers`` as huggingface_hub takes them). ``ranks`` converts only those ranks (a repo id
+    then fetches only the byte ranges they read, as does each process under torchrun);
+    ``common=False`` leaves out ``common/``. The other arguments are the :class:`Options` of the
+    run.
     """
     defaults = Options()
     options = Options(ep_size=ep_size, tp_size=tp_size, placement=placement, pad_multiple=pad_multiple,
@@ -85,7 +97,8 @@ def convert(source: Path | str, out: Path, *, ep_size: int = 1, tp_size: int = 1
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the other cores hash and write; idle OpenMP workers would spin on them
     try:
-        path, hub = resolve_source(str(source), options, revision=revision, cache_dir=cache_dir, token=token)
+        path, hub = resolve_source(str(source), options, group.world > 1, revision=revision, cache_dir=cache_dir,
+                                   token=token, max_workers=max_workers)
         return run(group, path, hub, Path(out), options, progress if group.leader else None, dry_run)
     finally:
         torch.set_num_threads(threads)
@@ -111,10 +124,13 @@ def check_output(out: Path, source: Path) -> None:
                             "and '..' are resolved); choose an output folder outside the source")
 
 
-def resolve_source(source: str, options: Options, **hub) -> tuple[Path, HubSource | None]:
-    """A local folder as it is, or a Hub repo id downloaded (``hub``: revision, cache_dir, token);
-    a rank-only run downloads the configs and the index first, then only the shards its ranks read."""
-    if options.ranks is None:
+def resolve_source(source: str, options: Options, several: bool = False, **hub) -> tuple[Path, HubSource | None]:
+    """A local folder as it is, or a Hub repo id (``hub``: revision, cache_dir, token,
+    max_workers): downloaded whole for a conversion of every rank by one process; otherwise (a
+    rank-only run, or ``several`` processes) its configs and index, then a ranged cache with the
+    shards' headers (:mod:`moeshard.checkpoints.ranged`; offline without one: only the shards
+    its ranks read, whole)."""
+    if options.ranks is None and not several:
         return resolve(source, **hub)
 
     def rank_shards(meta: Path) -> list[str]:
@@ -124,10 +140,11 @@ def resolve_source(source: str, options: Options, **hub) -> tuple[Path, HubSourc
         adapter = detect_config(config, qc, source)
         check_sizes(adapter, config, weight_map, f"{source}/config.json")
         e, o = adapter.num_experts(config), options
-        experts = {x for r in o.ranks for x in rank_experts(e, o.ep_size, o.tp_size, o.placement, r)}
+        experts = (None if o.ranks is None else
+                   {x for r in o.ranks for x in rank_experts(e, o.ep_size, o.tp_size, o.placement, r)})
         return needed_files(weight_map, needed_tensors(adapter, config, weight_map, experts, o.common))
 
-    return resolve(source, select=rank_shards, **hub)
+    return resolve(source, select=rank_shards, ranged=True, **hub)
 
 
 def run(group: Group, source: Path, hub: HubSource | None, out: Path, options: Options, progress: Progress | None,
@@ -146,21 +163,25 @@ def run(group: Group, source: Path, hub: HubSource | None, out: Path, options: O
         if dry_run:
             return plan
         tick = progress or (lambda n, what: None)
-        if hasattr(tick, "total"):
-            tick.total(plan.bytes_to_write)
         if group.leader and not options.resume:
             check_free_space(out, plan.bytes_to_write)  # before anything is created
+        transfer, read = None, None
+        if hub is not None and hub.ranged is not None:
+            transfer, read = fetch_source(group, plan, ckpt, adapter, hub.ranged, tick)
+        if hasattr(tick, "total"):
+            tick.total(plan.bytes_to_write)
         od = OutputDir(out, _fingerprint(plan, ckpt), overwrite=options.overwrite, resume=options.resume,
                        process=group.rank if group.world > 1 else None)
         try:
-            manifest, results = produce(group, plan, ckpt, adapter, od, tick, hub)
+            manifest, results = produce(group, plan, ckpt, adapter, od, tick, source_record(ckpt, hub, read))
         except KeyboardInterrupt:
             n = len(od.done)
             raise Interrupted(f"{out}: interrupted; kept {n} finished file{'s' * (n != 1)} and no manifest (not an "
                               "artifact yet): run the same command with --resume to continue") from None
     reused_bytes = sum(x[4] for x in results)
     return ConvertResult(out, manifest, time.perf_counter() - t0, sum(x[2] for x in results),
-                         plan.bytes_to_write - reused_bytes, sum(x[3] for x in results), reused_bytes, od.replaced)
+                         plan.bytes_to_write - reused_bytes, sum(x[3] for x in results), reused_bytes, od.replaced,
+                         transfer)
 
 
 def _fingerprint(plan: Plan, ckpt: Checkpoint) -> dict:
@@ -173,14 +194,77 @@ def _fingerprint(plan: Plan, ckpt: Checkpoint) -> dict:
             "source_files": {n: (ckpt.root / n).stat().st_size for n in ckpt.files + list(plan.copied)}}
 
 
+def my_jobs(plan: Plan, group: Group) -> list[tuple[RankPlan | None, OutFile]]:
+    """This process's output files, dealt out round-robin over the processes: ``(rank, file)`` of
+    the chosen ranks' files, then ``(None, file)`` of common/'s."""
+    jobs = [(r, f) for r in plan.chosen for f in r.files]
+    return (jobs + ([(None, f) for f in plan.common] if plan.options.common else []))[group.rank::group.world]
+
+
+def source_parts(plan: Plan, ckpt: Checkpoint, adapter: Adapter, jobs: list[tuple[RankPlan | None, OutFile]]
+                 ) -> list[Part]:
+    """The byte ranges of the source that these output files read (:func:`needed_rows`): what
+    every process reads (routers, the activation scales of every expert and layer: the NVFP4
+    maxima), each rank file's experts (whole per-expert tensors, rows of fused ones; a TP rank
+    reads its experts whole and cuts them), each common file's tensors."""
+    names, config, e = list(ckpt.tensors), ckpt.config, plan.spec.num_experts
+
+    def parts(want: dict, own: bool) -> list[Part]:
+        out = []
+        for name, experts in want.items():
+            t = ckpt.tensors[name]
+            if experts is None or not t.shape or t.shape[0] != e:
+                out.append(Part(t.file, t.offset, t.offset + t.nbytes, name, None, own))
+            else:
+                row = t.nbytes // e
+                out += [Part(t.file, t.offset + a * row, t.offset + b * row, name, (a, b), own)
+                        for a, b in expert_runs(sorted(experts))]
+        return out
+
+    out = parts(needed_rows(adapter, config, names, set(), False), False)
+    seen = {(p.file, p.start, p.stop) for p in out}
+    for r, f in jobs:
+        want = ({n: None for n in f.sources} if r is None else
+                needed_rows(adapter, config, names, set(r.experts), False, f.layers))
+        for p in parts(want, r is not None):
+            if (p.file, p.start, p.stop) not in seen:
+                seen.add((p.file, p.start, p.stop))
+                out.append(p)
+    return out
+
+
+def fetch_source(group: Group, plan: Plan, ckpt: Checkpoint, adapter: Adapter, cache: RangeCache, tick: Progress
+                 ) -> tuple[Transfer, dict]:
+    """A ranged Hub source: fetch into ``cache`` the byte ranges this process reads
+    (:func:`source_parts` of :func:`my_jobs`); every process's :class:`Transfer` summed, and what
+    they read (per shard, :meth:`RangeCache.fetch`) merged."""
+    error, got = None, None
+    try:
+        parts = source_parts(plan, ckpt, adapter, my_jobs(plan, group))
+        check_free_space(cache.root, sum(b - a for rs in cache.missing(parts).values() for a, b in rs))
+        got = (cache.fetch(parts, tick), cache.transfer)
+    except Exception as e:
+        if group.world == 1:
+            raise
+        error = f"process {group.rank}: {e}"
+    results = group.gather((error, got))
+    errors = [err for err, _ in results if err]
+    if errors:
+        raise MoeshardError(errors[0])
+    read: dict[str, dict] = {}
+    for _, (files, _) in results:
+        for name, rec in files.items():
+            read.setdefault(name, {"header_sha256": rec["header_sha256"], "tensors": {}})["tensors"].update(rec["tensors"])
+    return sum((t for _, (_, t) in results), Transfer()), read
+
+
 def produce(group: Group, plan: Plan, ckpt: Checkpoint, adapter, od: OutputDir, tick: Progress,
-            hub: HubSource | None) -> tuple[Manifest | None, list]:
+            source: Source) -> tuple[Manifest | None, list]:
     """Write this process's share of the files into ``od``, then (process 0) the indexes, the copied
-    files and the manifest; every process's ``(error, records, bytes_read, files_reused,
-    bytes_reused)``."""
+    files and the manifest (of ``source``); every process's ``(error, records, bytes_read,
+    files_reused, bytes_reused)``."""
     spec, out, o = plan.spec, od.out, plan.options
-    jobs = [(r, f) for r in plan.chosen for f in r.files] + ([(None, f) for f in plan.common] if o.common else [])
-    mine = jobs[group.rank::group.world]
+    mine = my_jobs(plan, group)
     with ExitStack() as stack:
         if group.leader:
             stack.enter_context(od)
@@ -226,17 +310,19 @@ def produce(group: Group, plan: Plan, ckpt: Checkpoint, adapter, od: OutputDir, 
             for name in plan.copied:
                 od.copy(name, ckpt.file(name))
             files.update(od.records())
-            manifest = build_manifest(plan, files, source_record(ckpt, hub))
+            manifest = build_manifest(plan, files, source)
             od.finish(manifest, {"source": str(ckpt.root.resolve())})
         group.barrier()  # followers return once the manifest is written
     return manifest, results
 
 
-def source_record(ckpt: Checkpoint, hub: HubSource | None) -> Source:
+def source_record(ckpt: Checkpoint, hub: HubSource | None, read: dict | None = None) -> Source:
     """What the manifest says of the source: a Hub repo by id and commit, a local folder by its
-    name only (the manifest is published by push); this machine's path goes to the local note."""
+    name only (the manifest is published by push); this machine's path goes to the local note.
+    ``read``: a ranged source's record of each shard (:meth:`RangeCache.fetch`), added to its file."""
     if hub is not None:
-        return Source(hub.repo_id, hub.repo_id, hub.revision, hub.commit, hub.files)
+        files = hub.files if read is None else {n: {**h, **read.get(n, {})} for n, h in hub.files.items()}
+        return Source(hub.repo_id, hub.repo_id, hub.revision, hub.commit, files, ranged=read is not None)
     return Source(ckpt.root.name, None, None, None,
                   {n: {"bytes": (ckpt.root / n).stat().st_size} for n in ckpt.files})
 

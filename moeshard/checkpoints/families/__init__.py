@@ -15,6 +15,7 @@ from moeshard.checkpoints.families.base import (
     check_sizes,
     expert_index,
     expert_runs,
+    needed_rows,
     needed_tensors,
     read_experts,
     read_rank_experts,
@@ -63,4 +64,4 @@ def detect(ckpt) -> Adapter:
 
 
 __all__ = ["ADAPTERS", "ROW_FIELDS", "Adapter", "Family", "ModelSpec", "check_sizes", "detect", "detect_config",
-           "expert_index", "expert_runs", "needed_tensors", "read_experts", "read_rank_experts"]
+           "expert_index", "expert_runs", "needed_rows", "needed_tensors", "read_experts", "read_rank_experts"]

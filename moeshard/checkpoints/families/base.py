@@ -194,32 +194,51 @@ def expert_index(name: str, prefix: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def needed_tensors(adapter: Adapter, config: dict, names: Iterable[str], experts: set[int] | None,
-                   common: bool, leaves: tuple[str, ...] = ("input_scale", "input_global_scale")) -> set[str]:
-    """The tensor names of ``names`` a (rank-only) conversion reads.
+def needed_rows(adapter: Adapter, config: dict, names: Iterable[str], experts: set[int] | None, common: bool,
+                layers: Iterable[int] | None = None, leaves: tuple[str, ...] = ("input_scale", "input_global_scale")
+                ) -> dict[str, frozenset[int] | None]:
+    """The tensors of ``names`` that a conversion of ``experts`` (all with None) reads, each with what
+    of it is read: None for the whole tensor, or, for a tensor of a layer's fused experts, the
+    experts whose rows (dim 0) are read (a fused tensor whose dim 0 is not the experts, a
+    per-layer scalar, is read whole).
 
-    - per-expert families: the chosen ``experts``' tensors (all with ``experts`` None), plus every
-      expert's ``leaves``: the NVFP4 activation scales (ModelOpt ``input_scale``, compressed-tensors
-      ``input_global_scale``), whose maxima over all experts of the layer every rank needs;
-    - fused families: the whole fused tensors (each rank reads its slice);
+    - per-expert families: the chosen ``experts``' tensors, plus every expert's ``leaves``: the
+      NVFP4 activation scales (ModelOpt ``input_scale``, compressed-tensors ``input_global_scale``),
+      whose maxima over all experts of the layer every rank needs (whole, fused or not);
+    - fused families: the chosen experts' rows of the fused tensors;
     - the routers (to validate the ranks), and, with ``common``, every non-expert tensor.
+
+    ``layers`` restricts the expert tensors and routers to those MoE layers (default: all).
     """
     names = list(names)
-    prefix, router = adapter.templates(config, names)
-    layers = adapter.moe_layers(config)
-    prefixes = {prefix.format(layer=layer) for layer in layers}
-    routers = {t.format(layer=layer) for layer in layers for t in router.values()}
-    out = set()
+    template, router = adapter.templates(config, names)
+    moe = adapter.moe_layers(config)
+    chosen_layers = [x for x in moe if layers is None or x in set(layers)]
+    prefixes = {template.format(layer=layer) for layer in chosen_layers}
+    other = {template.format(layer=layer) for layer in moe} - prefixes
+    routers = {t.format(layer=layer) for layer in chosen_layers for t in router.values()}
+    shared = tuple("." + x for x in leaves)
+    chosen = None if experts is None else frozenset(experts)
+    out: dict[str, frozenset[int] | None] = {}
     for name in names:
         prefix = next((p for p in prefixes if name.startswith(p + ".")), None)
         if prefix is None:
-            if common or name in routers:
-                out.add(name)
+            if name in routers or (common and not any(name.startswith(p + ".") for p in other)):
+                out[name] = None
             continue
         e = expert_index(name, prefix)
-        if e is None or experts is None or e in experts or name.endswith(tuple("." + x for x in leaves)):
-            out.add(name)
+        if chosen is None or name.endswith(shared) or (e is not None and e in chosen):
+            out[name] = None
+        elif e is None:
+            out[name] = chosen
     return out
+
+
+def needed_tensors(adapter: Adapter, config: dict, names: Iterable[str], experts: set[int] | None,
+                   common: bool) -> set[str]:
+    """The tensor names of ``names`` a (rank-only) conversion reads (:func:`needed_rows`, whole or
+    in part)."""
+    return set(needed_rows(adapter, config, names, experts, common))
 
 
 #: The canonical fields that are tensors of rows (the rest are per-expert scalars).
