@@ -21,10 +21,10 @@ def report(rows: list[dict], json_out: Path | None, title: str = "") -> None:
         Path(json_out).write_text(json.dumps(rows, indent=2))
 
 
-def sample(cmd: list[str], env: dict | None = None) -> dict:
-    """Run cmd, sampling its /proc status; seconds, peak anon/file RSS in MB, stdout."""
+def sample(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> dict:
+    """Run cmd (in ``cwd``), sampling its /proc status; seconds, peak anon/file RSS in MB, stdout."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     peak = {"RssAnon": 0, "RssFile": 0}
     while p.poll() is None:
         try:

@@ -39,24 +39,25 @@ def main() -> None:
     family, preset, layers = CASES[a.case]
     src = a.work / f"{a.case}-src"
     trees = {"moeshard": ROOT, **({"before": a.before_tree} if a.before_tree else {})}
+    # each version runs in its own tree (``python -m`` puts the working directory first on sys.path)
     env = {name: dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
            for name, tree in trees.items()}
     if not src.exists():
         sample([sys.executable, "-m", "moeshard", "fixture", family, "--preset", preset, "--layers", str(layers),
-                "-o", str(src)], env["moeshard"])
+                "-o", str(src)], env["moeshard"], ROOT)
     outs = {}
     for name in trees:
         outs[name] = a.work / f"{a.case}-{name}-out"
         if not (outs[name] / "moeshard.json").exists():
             sample([sys.executable, "-m", "moeshard", "convert", str(src), "-o", str(outs[name]), "--ep-size", "8",
-                    "-q", "--overwrite"], env[name])
+                    "-q", "--overwrite"], env[name], trees[name])
     layer = "1" if family == "deepseek" else "0"
     runs = {name: [] for name in trees}
     for _ in range(a.rounds):
         for name in trees:
             drop_caches()
             runs[name].append(sample([sys.executable, "-m", "moeshard", "validate", str(outs[name]), "--layers", layer,
-                                      "--tokens", str(a.tokens), "--json", "-q"], env[name]))
+                                      "--tokens", str(a.tokens), "--json", "-q"], env[name], trees[name]))
     base = median(runs["before"])["seconds"] if "before" in runs else None
     rows = []
     for name, rs in runs.items():

@@ -65,3 +65,49 @@ def test_nvfp4_modelopt_recipe():
     assert torch.isclose(s2, w.abs().amax() / (6 * 448))
     deq = dequantize_nvfp4(packed, bscale, s2)
     assert (deq - w).abs().amax() < w.abs().amax() / 6
+
+
+@pytest.mark.parametrize("nvfp4", [True, False])
+def test_nan_scale_check_eight_codes_at_a_time_matches_the_byte_rule(nvfp4):
+    """has_nan (words of eight codes) against the byte-wise rule, every code at every position of
+    a word, in the tail, and at an offset that forbids the word view."""
+    from moeshard.checkpoints.source import has_nan, nan_mask
+
+    for n in (0, 3, 8, 13, 16):
+        for pos in range(n):
+            for v in range(256):
+                b = torch.zeros(n + 1, dtype=torch.uint8)
+                b[1 + pos] = v
+                for t in (b[1:].clone(), b[1:]):  # aligned copy; storage offset 1
+                    assert has_nan(t, nvfp4) == bool(nan_mask(t, nvfp4).any()) == (
+                        (v & 0x7F) == 0x7F if nvfp4 else v == 0xFF), (n, pos, v)
+    big = torch.zeros(3 << 20, dtype=torch.uint8)  # several 1 MiB steps
+    assert not has_nan(big, nvfp4)
+    big[-9] = 0xFF
+    assert has_nan(big, nvfp4) and not has_nan(big[:-16], nvfp4)
+
+
+def test_per_expert_read_is_up_then_gate_of_each_expert(deepseek_tiny):
+    """The canonical w13 / w13_scale / w2 rows read straight into one tensor equal each expert's
+    own tensors read by safetensors: [up ; gate] for GEMM1, down for GEMM2."""
+    from safetensors import safe_open
+
+    from moeshard.checkpoints.families import detect, read_experts
+    from moeshard.checkpoints.source import Checkpoint
+
+    with Checkpoint(deepseek_tiny) as ckpt:
+        adapter = detect(ckpt)
+        spec = adapter.spec(ckpt)
+        layer = spec.moe_layers[0]
+        c = read_experts(adapter, ckpt, spec, layer, 3, 7)
+        p = spec.prefix(layer)
+
+        def st(name):
+            with safe_open(deepseek_tiny / ckpt.info(name).file, "pt") as f:
+                return f.get_tensor(name).view(torch.uint8)
+
+        for k, e in enumerate(range(3, 7)):
+            assert torch.equal(c.w13[k], torch.cat([st(f"{p}.{e}.up_proj.weight"), st(f"{p}.{e}.gate_proj.weight")]))
+            assert torch.equal(c.w13_scale[k].view(torch.uint8), torch.cat(
+                [st(f"{p}.{e}.up_proj.weight_scale"), st(f"{p}.{e}.gate_proj.weight_scale")]))
+            assert torch.equal(c.w2[k], st(f"{p}.{e}.down_proj.weight"))

@@ -14,6 +14,32 @@ from moeshard.errors import MoeshardError
 from moeshard.files import load_json
 from moeshard.paths import inside
 
+_LOW7, _ONES, _HIGH = 0x7F7F7F7F7F7F7F7F, 0x0101010101010101, 0x8080808080808080 - (1 << 64)
+
+
+def nan_mask(t: torch.Tensor, nvfp4: bool) -> torch.Tensor:
+    """Where the block scale codes ``t`` (any 1-byte dtype) are NaN: E4M3 0x7F / 0xFF (NVFP4),
+    UE8M0 0xFF (MXFP4); a bool tensor of ``t``'s shape."""
+    b = t.view(torch.uint8)
+    return (b | 0x80) == 0xFF if nvfp4 else b == 0xFF
+
+
+def has_nan(t: torch.Tensor, nvfp4: bool) -> bool:
+    """Whether :func:`nan_mask` has any True, eight codes at a time: in a word of eight codes,
+    ``(w & 0x7F..7F) + 0x01..01`` sets a code's top bit exactly when its low 7 bits are all ones
+    (no carry crosses codes); MXFP4 also needs the code's own top bit."""
+    b = t.reshape(-1).view(torch.uint8)
+    n = b.numel() // 8 * 8 if b.storage_offset() % 8 == 0 else 0
+    words = b[:n].view(torch.int64) if n else torch.empty(0, dtype=torch.int64)
+    step = 1 << 17
+    tmp = torch.empty(min(words.numel(), step), dtype=torch.int64)  # 1 MiB, reused: no fresh pages per step
+    for k in range(0, words.numel(), step):
+        w = words[k:k + tmp.numel()]
+        hit = torch.bitwise_and(w, _LOW7, out=tmp[:w.numel()]).add_(_ONES).bitwise_and_(_HIGH)
+        if (hit if nvfp4 else hit.bitwise_and_(w)).any():
+            return True
+    return bool(nan_mask(b[n:], nvfp4).any())
+
 
 class Checkpoint:
     """A Hugging Face style safetensors checkpoint on local disk.
@@ -117,9 +143,8 @@ class Checkpoint:
 
         ``t`` holds the bytes of ``name`` (rows of experts from ``first_expert`` on, or one expert).
         """
-        b = t.view(torch.uint8)
-        bad = (b & 0x7F) == 0x7F if nvfp4 else b == 0xFF
-        if bad.any():
+        if has_nan(t, nvfp4):
+            b, bad = t.view(torch.uint8), nan_mask(t, nvfp4)
             where = [int(v) for v in bad.nonzero()[0]]
             if len(where) == 3:
                 where[0] += first_expert
@@ -128,10 +153,12 @@ class Checkpoint:
                                 f"(0x{int(b[bad][0]):02X}) at index {where}; it would poison the kernel")
         return t
 
-    def read(self, name: str, start: int | None = None, stop: int | None = None, pin: bool = False) -> torch.Tensor:
+    def read(self, name: str, start: int | None = None, stop: int | None = None, pin: bool = False,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """Tensor ``name``, or its rows ``[start, stop)`` along dim 0, as a new CPU tensor (in
-        pinned memory with ``pin``, for asynchronous copies to a GPU): one ``pread`` of exactly
-        its bytes (safe from several threads at once)."""
+        pinned memory with ``pin``, for asynchronous copies to a GPU), or read into ``out`` (a
+        contiguous CPU tensor of the same number of bytes, any dtype; returned as given): one
+        ``pread`` of exactly its bytes (safe from several threads at once)."""
         t = self.info(name)
         if t.dtype == "F4":
             raise MoeshardError(f"{self.root / t.file}: {name}: dtype F4 is not supported (FP4 checkpoints store "
@@ -143,12 +170,16 @@ class Checkpoint:
         if self.ranges is not None and not self.ranges.covers(t.file, first, end):
             raise MoeshardError(f"{self.root / t.file}: {name}: bytes {first}-{end - 1} were not fetched (a rank-only "
                                 "Hub run fetches only the byte ranges its ranks read)")
-        out = torch.empty((b - a, *t.shape[1:]) if t.shape else (), dtype=DTYPES[t.dtype], pin_memory=pin)
-        if out.numel():
+        if out is None:
+            out = torch.empty((b - a, *t.shape[1:]) if t.shape else (), dtype=DTYPES[t.dtype], pin_memory=pin)
+        elif not out.is_contiguous() or out.numel() * out.element_size() != end - first:
+            raise ValueError(f"{name}: out holds {out.numel() * out.element_size()} bytes (contiguous: "
+                             f"{out.is_contiguous()}), the rows read {end - first}")
+        if end > first:
             pread_into(self._fd(t.file), memoryview(out.reshape(-1).view(torch.uint8).numpy()), first,
                        f"{self.root / t.file} (tensor {name})")
         with self._lock:
-            self.bytes_read += out.numel() * out.element_size()
+            self.bytes_read += end - first
         return out
 
     def _fd(self, rel: str) -> int:

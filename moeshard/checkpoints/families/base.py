@@ -14,10 +14,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from moeshard.checkpoints.formats import QuantFormat, Scheme
+from moeshard.checkpoints.formats import QuantFormat, Scheme, detect_scheme
 from moeshard.errors import MoeshardError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch import Tensor
 
     from moeshard.checkpoints.source import Checkpoint
@@ -93,13 +95,14 @@ class Adapter(Protocol):
     def spec(self, ckpt: Checkpoint) -> ModelSpec:
         """Validate every expert tensor's header against the config; raise MoeshardError if off."""
 
-    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
-                 ) -> tuple[Tensor, Tensor | None] | None:
+    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int,
+                 pin: bool = False) -> tuple[Tensor, Tensor | None] | None:
         """Experts ``[start, stop)`` of one canonical field (``w13``, ``w13_scale``, ``w2``,
         ``w2_scale``, ``w13_bias``, ``w2_bias``; see :class:`CanonicalExperts`), unpadded:
         ``(src, rows)`` where ``src[:, rows]`` (``src`` when rows is None) is the field, so that
         a checkpoint's own row order is read in place; None for a field the family lacks.
-        Block scales are checked for NaN codes."""
+        Block scales are checked for NaN codes. With ``pin``, a ``src`` read for the field as it
+        is (rows None, no conversion) is read into pinned memory."""
 
     def read_scalars(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
                      ) -> dict[str, Tensor]:
@@ -135,6 +138,13 @@ class AdapterBase:
 
     def shared_leaves(self, spec) -> tuple[str, ...]:
         return ()
+
+    def read_config(self, ckpt: Checkpoint) -> tuple[Path, list[str], Scheme, dict]:
+        """What every ``spec`` starts from, after :func:`check_sizes`: config.json's path, every
+        tensor name (fetched or not), the quantization scheme and the text config."""
+        where, names = ckpt.root / "config.json", [*ckpt.tensors, *ckpt.absent]
+        check_sizes(self, ckpt.config, names, where)
+        return where, names, detect_scheme(ckpt.config, ckpt.quant_config, ckpt.root), self.text(ckpt.config)
 
     def read_scalars(self, ckpt, spec, layer, start, stop) -> dict:
         return {}
@@ -246,15 +256,21 @@ ROW_FIELDS = ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias")
 
 
 def read_experts(adapter: Adapter, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int,
-                 stop: int) -> CanonicalExperts:
-    """Experts ``[start, stop)`` of one layer in canonical form, unpadded."""
+                 stop: int, pin: bool = False) -> CanonicalExperts:
+    """Experts ``[start, stop)`` of one layer in canonical form, unpadded; the tensors of rows in
+    pinned memory with ``pin`` (read there, or gathered there from the checkpoint's row order)."""
+    import torch
+
     from moeshard.layouts.canonical import CanonicalExperts
 
     fields = {}
     for f in ROW_FIELDS:
-        if (got := adapter.read_raw(ckpt, spec, layer, f, start, stop)) is not None:
+        if (got := adapter.read_raw(ckpt, spec, layer, f, start, stop, pin)) is not None:
             src, rows = got
-            fields[f] = src if rows is None else src.index_select(1, rows)
+            if rows is not None:
+                out = torch.empty((src.shape[0], len(rows), *src.shape[2:]), dtype=src.dtype, pin_memory=pin)
+                src = torch.index_select(src, 1, rows, out=out)
+            fields[f] = src if not pin or src.is_pinned() else src.pin_memory()
     return CanonicalExperts(**fields, **adapter.read_scalars(ckpt, spec, layer, start, stop))
 
 

@@ -13,9 +13,8 @@ correction bias for the choice only, grouped top-k, renormalised, times
 
 from __future__ import annotations
 
-from moeshard.checkpoints.families.base import Family, ModelSpec, check_sizes, model_root, positive_ints
+from moeshard.checkpoints.families.base import Family, ModelSpec, model_root, positive_ints
 from moeshard.checkpoints.families.nvfp4_experts import PerExpertNvfp4
-from moeshard.checkpoints.formats import detect_scheme
 from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.layouts.kernel import ActivationType, RoutingMethod, routing_problems
@@ -48,11 +47,8 @@ class DeepSeekAdapter(PerExpertNvfp4):
         return tuple(x for x in range(cfg["num_hidden_layers"]) if x >= first and x % freq == 0)
 
     def spec(self, ckpt: Checkpoint) -> ModelSpec:
-        config, where = ckpt.config, ckpt.root / "config.json"
-        names = [*ckpt.tensors, *ckpt.absent]
-        check_sizes(self, config, names, where)
-        scheme = detect_scheme(config, ckpt.quant_config, ckpt.root)
-        cfg = self.text(config)
+        config = ckpt.config
+        where, names, scheme, cfg = self.read_config(ckpt)
         keys = ("n_routed_experts", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
                 "num_experts_per_tok", "n_group", "topk_group")
         positive_ints(cfg, where, keys)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.checkpoints.families.base import AdapterBase, Family, ModelSpec, check_sizes
-from moeshard.checkpoints.formats import QuantFormat, Scheme, detect_scheme
+from moeshard.checkpoints.families.base import AdapterBase, Family, ModelSpec
+from moeshard.checkpoints.formats import QuantFormat, Scheme
 from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
 from moeshard.layouts.kernel import ActivationType, RoutingMethod
@@ -49,10 +49,7 @@ class GptOssAdapter(AdapterBase):
         return scheme.exporter == "openai"
 
     def spec(self, ckpt: Checkpoint) -> ModelSpec:
-        cfg = ckpt.config
-        where = ckpt.root / "config.json"
-        check_sizes(self, ckpt.config, [*ckpt.tensors, *ckpt.absent], where)
-        scheme = detect_scheme(cfg, ckpt.quant_config, ckpt.root)
+        where, _, scheme, cfg = self.read_config(ckpt)
         if not self.accepts(scheme):
             raise MoeshardError(f"{where}: gpt_oss in {scheme.exporter} {scheme.format.value}: expected the MXFP4 "
                                 "release (quantization_config.quant_method 'mxfp4')")
@@ -100,12 +97,12 @@ class GptOssAdapter(AdapterBase):
     def source_leaves(self, spec: ModelSpec, field: str) -> tuple[str, ...]:
         return (self.SOURCES[field],)
 
-    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int,
+                 pin: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Experts ``[start, stop)`` of one canonical field, read in place (no copy): the fused
         tensor's rows, with the row map that de-interleaves gate and up."""
         name = f"{spec.prefix(layer)}.{self.SOURCES[field]}"
-        t = ckpt.read(name, start, stop)
+        t = ckpt.read(name, start, stop, pin=pin and field in ("w2", "w2_scale"))
         if field.endswith("_scale"):
             ckpt.check_scales(name, t, False, start)
         t = t.float() if field.endswith("bias") else t.flatten(-2) if t.dim() == 4 else t  # blocks: [n, rows, H/2]

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.checkpoints.families.base import Family, ModelSpec, check_sizes, model_root, positive_ints
+from moeshard.checkpoints.families.base import Family, ModelSpec, model_root, positive_ints
 from moeshard.checkpoints.families.nvfp4_experts import PerExpertNvfp4
-from moeshard.checkpoints.formats import detect_scheme
 from moeshard.checkpoints.formats.modelopt import positive_finite
 from moeshard.checkpoints.source import Checkpoint
 from moeshard.errors import MoeshardError
@@ -62,11 +61,8 @@ class Llama4Adapter(PerExpertNvfp4):
         return tuple(cfg.get("moe_layers") or range(step - 1, cfg.get("num_hidden_layers", 0), step))
 
     def spec(self, ckpt: Checkpoint) -> ModelSpec:
-        config, where = ckpt.config, ckpt.root / "config.json"
-        names = [*ckpt.tensors, *ckpt.absent]
-        check_sizes(self, config, names, where)
-        scheme = detect_scheme(config, ckpt.quant_config, ckpt.root)
-        cfg = self.text(config)
+        config = ckpt.config
+        where, names, scheme, cfg = self.read_config(ckpt)
         positive_ints(cfg, f"{where}: text_config", ("num_local_experts", "hidden_size", "intermediate_size",
                                                       "num_hidden_layers", "num_experts_per_tok"))
         e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
@@ -117,13 +113,13 @@ class Llama4Adapter(PerExpertNvfp4):
     def shared_leaves(self, spec: ModelSpec) -> tuple[str, ...]:
         return () if spec.fused else super().shared_leaves(spec)
 
-    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def read_raw(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int,
+                 pin: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Experts ``[start, stop)`` of one canonical field. Fused: the bmm-layout tensor ``[n, K', N]``
         transposed to ``[n, N, K']`` (one copy); GEMM1's N is ``[gate ; up]``, so its row map swaps
         the halves into ``[up ; gate]``."""
         if not spec.fused:
-            return self.read_per_expert(ckpt, spec, layer, field, start, stop)
+            return self.read_per_expert(ckpt, spec, layer, field, start, stop, pin)
         if field not in self.FUSED_SOURCES:
             return None  # no biases
         name = f"{spec.prefix(layer)}.{self.FUSED_SOURCES[field]}"

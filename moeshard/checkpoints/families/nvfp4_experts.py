@@ -12,12 +12,16 @@ and up (vLLM ``prepare_nvfp4_moe_layer_for_fi_or_cutlass``: ``a13_scale.max()``)
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import torch
 
 from moeshard.checkpoints.families.base import AdapterBase, ModelSpec
 from moeshard.checkpoints.formats import Nvfp4Names, QuantFormat, Scheme
 from moeshard.checkpoints.formats.modelopt import positive_finite
-from moeshard.checkpoints.source import Checkpoint
+from moeshard.checkpoints.source import Checkpoint, has_nan
+from moeshard.errors import MoeshardError
 
 GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
 
@@ -34,12 +38,14 @@ def per_tensor(ckpt: Checkpoint, names: list[str], reciprocal: bool) -> torch.Te
     stores ``1 / scale``; a MoeshardError naming the tensor for a missing, zero or non-finite one."""
     out = torch.empty(len(names), dtype=torch.float32)
     for j, name in enumerate(names):
-        t = ckpt.read(name).float().reshape(-1)
-        if t.numel() != 1:
-            from moeshard.errors import MoeshardError
-
-            raise MoeshardError(f"{ckpt.info(name).file}: {name}: expected one value, found {t.numel()}")
-        out[j] = positive_finite(ckpt, name, t)[0]
+        info = ckpt.info(name)
+        if math.prod(info.shape) != 1:
+            raise MoeshardError(f"{info.file}: {name}: expected one value, found {math.prod(info.shape)}")
+        out[j:j + 1].copy_(ckpt.read(name).reshape(-1))
+    bad = ~(torch.isfinite(out) & (out > 0))
+    if bad.any():  # checked once for all; the first bad one named
+        j = int(bad.nonzero()[0])
+        positive_finite(ckpt, names[j], out[j:j + 1])
     return 1.0 / out if reciprocal else out
 
 
@@ -78,20 +84,26 @@ class PerExpertNvfp4(AdapterBase):
     def shared_leaves(self, spec: ModelSpec) -> tuple[str, ...]:
         return (spec.scheme.names.input_scale,)
 
-    def read_per_expert(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int
-                        ) -> tuple[torch.Tensor, None] | None:
-        """Experts ``[start, stop)`` of one canonical field: ``[up ; gate]`` rows stacked (one copy)."""
+    def read_per_expert(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, field: str, start: int, stop: int,
+                        pin: bool = False) -> tuple[torch.Tensor, None] | None:
+        """Experts ``[start, stop)`` of one canonical field: each expert's ``[up ; gate]`` rows read
+        straight into one ``[n, rows, cols]`` uint8 tensor (pinned with ``pin``); block scales
+        checked for NaN codes over the whole, the first bad tensor named."""
         leaves = self.source_leaves(spec, field)
         if not leaves:
             return None  # no biases
         p = spec.prefix(layer)
-        parts = []
-        for x in range(start, stop):
-            for leaf in leaves:
-                name = f"{p}.{x}.{leaf}"
-                t = ckpt.read(name).view(torch.uint8)
-                parts.append(ckpt.check_scales(name, t, True) if field.endswith("_scale") else t)
-        return torch.cat(parts).view(stop - start, -1, parts[0].shape[1]), None
+        rows = [ckpt.info(f"{p}.{start}.{leaf}").shape[0] for leaf in leaves]
+        cols = ckpt.info(f"{p}.{start}.{leaves[0]}").shape[1]
+        out = torch.empty((stop - start, sum(rows), cols), dtype=torch.uint8, pin_memory=pin)
+        parts = [(f"{p}.{x}.{leaf}", out[x - start, r - n:r])
+                 for x in range(start, stop) for leaf, n, r in zip(leaves, rows, itertools.accumulate(rows))]
+        for name, part in parts:
+            ckpt.read(name, out=part)
+        if field.endswith("_scale") and has_nan(out, True):
+            for name, part in parts:
+                ckpt.check_scales(name, part, True)
+        return out, None
 
     def scalars_per_expert(self, ckpt: Checkpoint, spec: ModelSpec, layer: int, start: int, stop: int
                            ) -> dict[str, torch.Tensor]:
