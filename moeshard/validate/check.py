@@ -42,9 +42,9 @@ def readers(device: str) -> int:
 def chunk_bytes(device: str) -> int:
     """Dequantized float32 bytes of one side (source or artifact) held at once per chunk of
     experts: 256 MiB on the CPU, 1 GiB on a GPU (2 GiB was no faster on an H200 and doubled the
-    pinned staging, the first run's allocation cost and the resident memory). Packed, a chunk is about a seventh of that per
-    side; with :func:`readers` + 1 chunks in flight, host memory stays bounded whatever the
-    model's size (measured in ``bench/``)."""
+    pinned staging, the first run's allocation cost and the resident memory). Packed, a chunk is
+    about a seventh of that per side; with :func:`readers` + 1 chunks in flight, host memory stays
+    bounded whatever the model's size (measured in ``bench/``)."""
     return (1 << 30) if str(device).startswith("cuda") else (256 << 20)
 
 

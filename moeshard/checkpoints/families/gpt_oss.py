@@ -102,9 +102,10 @@ class GptOssAdapter(AdapterBase):
         """Experts ``[start, stop)`` of one canonical field, read in place (no copy): the fused
         tensor's rows, with the row map that de-interleaves gate and up."""
         name = f"{spec.prefix(layer)}.{self.SOURCES[field]}"
-        t = ckpt.read(name, start, stop, pin=pin and field in ("w2", "w2_scale"))
+        gated, bias = field.startswith("w13"), field.endswith("bias")
+        t = ckpt.read(name, start, stop, pin=pin and not (gated or bias))  # pinned only if returned as read
         if field.endswith("_scale"):
             ckpt.check_scales(name, t, False, start)
-        t = t.float() if field.endswith("bias") else t.flatten(-2) if t.dim() == 4 else t  # blocks: [n, rows, H/2]
-        return t, (_deinterleaved_rows(t.shape[1]) if field.startswith("w13") else None)
+        t = t.float() if bias else t.flatten(-2) if t.dim() == 4 else t  # blocks: [n, rows, H/2]
+        return t, (_deinterleaved_rows(t.shape[1]) if gated else None)
 
